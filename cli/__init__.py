@@ -1,0 +1,1 @@
+"""The mlx-infer command line (typer + rich), installed as `mlx_infer.cli`."""

@@ -1,0 +1,40 @@
+"""mlx-infer: an MLX-native local LLM runtime.
+
+    import mlx_infer
+    engine = mlx_infer.load()            # the embedded default model (SmolLM2-135M-Instruct Q4_1)
+    print(engine.generate("What is the capital of France?").text)
+"""
+
+from .backend import preload_optimized_blas
+
+# Before mlx.core is imported anywhere: MLX's CPU backend then uses an optimized BLAS.
+preload_optimized_blas()
+
+from typing import Callable, Optional  # noqa: E402
+
+from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  # noqa: E402
+from .errors import MlxInferError  # noqa: E402
+from .generation.sampling import SamplingParams  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
+           "MlxInferError", "__version__"]
+
+
+def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None) -> Engine:
+    """Load a model and return an Engine.
+
+    Args:
+        model: a .gguf file, an MLX / Hugging Face model directory, a Hugging Face repo id
+            ('org/name'), or None for the embedded default (SmolLM2-135M-Instruct Q4_1).
+        weights: "auto" (float32 on the CPU backend with an optimized BLAS, else as stored),
+            "native" (as stored) or "float32".
+        progress: callable(done, total, description) for download / conversion progress.
+
+    Raises:
+        MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF.
+    """
+    from .loading import load_model
+
+    net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
+    return Engine(net, tokenizer, config, source)

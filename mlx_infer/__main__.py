@@ -1,0 +1,3 @@
+from mlx_infer.cli.app import main
+
+main()

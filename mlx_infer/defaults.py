@@ -1,0 +1,12 @@
+"""Named defaults, in one place."""
+
+#: Tokens generated when the caller gives no limit.
+MAX_TOKENS = 256
+#: Prompt tokens per prefill step (as mlx-lm's generate_step).
+PREFILL_STEP_SIZE = 2048
+#: Group size of GGUF's Q4_0 / Q4_1 / Q8_0 blocks, kept as MLX affine groups.
+GGML_BLOCK = 32
+#: Group size used when a K-quant is re-quantized to MLX affine weights.
+REQUANT_GROUP_SIZE = 32
+#: Bump when the GGUF -> MLX conversion changes, so cached conversions are redone.
+GGUF_CONVERTER_VERSION = 1

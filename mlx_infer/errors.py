@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Every error a user can cause (a missing file, a bad flag, an unsupported GGUF) is an
+`MlxInferError` whose message is one line saying what was wrong and what to do. The CLI prints
+that line and exits with code 2; anything else is a bug and keeps its traceback.
+"""
+
+
+class MlxInferError(ValueError):
+    """Bad input: the message is one line, fit to show a user as it is."""
+
+
+class ModelNotFoundError(MlxInferError, FileNotFoundError):
+    """A model path or repo id that does not exist or is not reachable."""
+
+
+class UnsupportedModelError(MlxInferError):
+    """A model whose architecture, tensor type or format mlx-infer cannot run."""
+
+
+class InvalidGGUFError(MlxInferError):
+    """A GGUF file that is truncated, corrupt or inconsistent."""

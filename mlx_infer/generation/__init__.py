@@ -1,0 +1,1 @@
+"""Plain decoding pieces: sampling parameters, stop strings, the token loop."""

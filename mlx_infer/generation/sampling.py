@@ -1,0 +1,104 @@
+"""Sampling parameters, validated in plain Python, and mlx-lm's samplers built from them.
+
+Parameters are checked before any compiled MLX function runs: an exception inside a compiled
+sampler can poison later calls in the same process.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from ..defaults import MAX_TOKENS
+from ..errors import MlxInferError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation stops.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax). Must be >= 0.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        min_p: drop tokens below min_p * p(max) in [0, 1); 0 disables it.
+        repetition_penalty: > 0; 1 disables it (as in mlx-lm, over the last
+            `repetition_context_size` tokens).
+        repetition_context_size: tokens the repetition penalty looks back over (>= 1).
+        seed: seed for MLX's random generator; None leaves it as it is.
+        max_tokens: most tokens to generate (>= 1).
+        stop: strings that end generation; the stop string itself is not returned.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    seed: Optional[int] = None
+    max_tokens: int = MAX_TOKENS
+    stop: Tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise MlxInferError naming the first bad parameter."""
+        def finite(name, value):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise MlxInferError(f"{name} must be a finite number, got {value!r}")
+
+        finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise MlxInferError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise MlxInferError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise MlxInferError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        finite("min_p", self.min_p)
+        if not 0 <= self.min_p < 1:
+            raise MlxInferError(f"min_p must be in [0, 1), got {self.min_p}")
+        finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise MlxInferError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not isinstance(self.repetition_context_size, int) or self.repetition_context_size < 1:
+            raise MlxInferError(f"repetition_context_size must be an integer >= 1, got {self.repetition_context_size!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise MlxInferError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise MlxInferError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise MlxInferError("stop strings must be non-empty strings")
+
+    def with_(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler for these parameters: logprobs [B, V] float -> token ids [B] uint32."""
+    return make_sampler(
+        temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
+    )
+
+
+def build_logits_processors(params: SamplingParams) -> List[Callable[[mx.array, mx.array], mx.array]]:
+    """mlx-lm's logits processors (repetition penalty) for these parameters: (tokens [T], logits [B, V]) -> logits."""
+    if params.repetition_penalty == 1.0:
+        return []
+    return make_logits_processors(
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=params.repetition_context_size,
+    )

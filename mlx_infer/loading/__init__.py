@@ -1,0 +1,120 @@
+"""Where models come from: GGUF files, MLX / HF directories, HF repo ids, the embedded default."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..backend import prefer_float_weights
+from ..errors import MlxInferError, ModelNotFoundError
+from . import default, gguf, hub
+
+WEIGHTS_MODES = ("auto", "native", "float32")
+
+
+@dataclass
+class ModelSource:
+    """Where a loaded model came from.
+
+    Attributes:
+        name: what the user asked for ("default" when nothing).
+        kind: "gguf", "mlx-dir", "hf-repo" or "default".
+        path: the file or directory read.
+        mlx_dir: the MLX directory mlx-lm loaded (the GGUF's cached conversion for GGUF files).
+        weights: "native" (as stored, quantized when the file is) or "float32" (CPU fast path).
+    """
+
+    name: str
+    kind: str
+    path: Path
+    mlx_dir: Path
+    weights: str = "native"
+
+
+def resolve(model: Optional[str], progress: Optional[Callable] = None) -> ModelSource:
+    """Find the MLX directory for a model spec, converting or downloading as needed.
+
+    Args:
+        model: a .gguf path, an MLX / HF directory, a HF repo id ('org/name'), or None for the default.
+        progress: callable(done, total, desc) for conversion and download progress.
+
+    Raises:
+        ModelNotFoundError, InvalidGGUFError, UnsupportedModelError.
+    """
+    say = (lambda msg: progress(0, 0, msg)) if progress else None
+    if model is None or model == "default":
+        path = default.default_model_path(say)
+        return ModelSource("default", "default", path, gguf.cached_conversion(path, progress))
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        return ModelSource(model, "gguf", path, gguf.cached_conversion(path, progress))
+    if path.exists():
+        return ModelSource(model, "mlx-dir", path, hub.local_model_dir(path))
+    if hub.looks_like_repo_id(model):
+        mlx_dir = hub.download_repo(model)
+        return ModelSource(model, "hf-repo", mlx_dir, mlx_dir)
+    raise ModelNotFoundError(
+        f"no model at {model!r}; give a .gguf file, an MLX model directory or a Hugging Face repo id (org/name)"
+    )
+
+
+def to_float32(model: nn.Module) -> nn.Module:
+    """Dequantize every quantized layer and cast all weights to float32 (in place)."""
+    from mlx_lm.utils import dequantize_model
+
+    model = dequantize_model(model)
+    model.update(
+        nn.utils.tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
+    )
+    mx.eval(model.parameters())
+    return model
+
+
+def load_model(
+    model: Optional[str] = None, weights: str = "auto", progress: Optional[Callable] = None
+) -> Tuple[nn.Module, object, dict, ModelSource]:
+    """Load a model and its tokenizer.
+
+    Args:
+        model: see `resolve`.
+        weights: "native" keeps the stored (often quantized) weights; "float32" dequantizes them;
+            "auto" picks float32 on the CPU backend with an optimized BLAS when memory allows.
+        progress: see `resolve`.
+
+    Returns:
+        (model, tokenizer (mlx-lm TokenizerWrapper), config dict, ModelSource).
+
+    Raises:
+        MlxInferError and subclasses for bad input.
+    """
+    from mlx_lm.utils import load as mlx_lm_load
+
+    if weights not in WEIGHTS_MODES:
+        raise MlxInferError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+    source = resolve(model, progress)
+    try:
+        net, tokenizer, config = mlx_lm_load(str(source.mlx_dir), return_config=True)
+    except ValueError as e:
+        if "not supported" in str(e).lower():
+            raise MlxInferError(f"{source.name}: {e}") from e
+        raise
+    if weights == "auto":
+        weights = "float32" if prefer_float_weights(_float_bytes(net)) else "native"
+    if weights == "float32":
+        net = to_float32(net)
+    source.weights = weights
+    return net, tokenizer, config, source
+
+
+def _float_bytes(net: nn.Module) -> int:
+    """Bytes the model's weights would take as float32 (quantized weights counted unpacked)."""
+    total = 0
+    for _, module in net.named_modules():
+        for key, a in module.parameters().items():
+            if not isinstance(a, mx.array) or key in ("scales", "biases"):
+                continue
+            bits = getattr(module, "bits", None) if key == "weight" else None
+            total += 4 * (a.size * 32 // bits if bits else a.size)
+    return total

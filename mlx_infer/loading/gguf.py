@@ -1,0 +1,299 @@
+"""GGUF file -> an MLX model directory that mlx-lm loads.
+
+A GGUF file is converted once into a directory (config.json with the quantization map,
+model.safetensors, tokenizer files with the chat template) and kept in the user cache, so the
+second load is as fast as loading any MLX model. `mlx-infer convert` writes the same directory
+where the user asks.
+
+Supported architectures: llama (SmolLM2, Llama 2/3), qwen2, qwen3, gemma3; each maps onto the
+mlx-lm model class of the same family.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..defaults import GGML_BLOCK, GGUF_CONVERTER_VERSION
+from ..errors import InvalidGGUFError, ModelNotFoundError, UnsupportedModelError
+from ..paths import cache_dir
+from .gguf_tensors import permute_rows_for_rope, tensor_to_mlx
+from .gguf_tokenizer import build_tokenizer, eos_token_ids
+
+#: GGUF architecture -> mlx-lm model_type.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+
+#: GGUF per-layer tensor name -> mlx-lm module path (under model.layers.N).
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+#: Gemma 3 has four norms per layer; its ffn_norm is the pre-feed-forward norm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def open_gguf(path: Path):
+    """Open a GGUF file with the `gguf` package's reader.
+
+    Raises:
+        ModelNotFoundError: no such file.
+        InvalidGGUFError: not a GGUF file, truncated or corrupt.
+    """
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise InvalidGGUFError(f"{path} is not a GGUF file (bad magic); check the file or re-download it")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises many types on bad input
+        raise InvalidGGUFError(
+            f"{path} is truncated or corrupt ({type(e).__name__}: {e}); re-download it"
+        ) from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise InvalidGGUFError(f"{path} is truncated (tensor {t.name} runs past the end); re-download it")
+    return reader
+
+
+def read_fields(reader) -> dict:
+    """GGUF metadata as {key: plain Python value} (lists for arrays)."""
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # an exotic field type we do not need
+            continue
+    return fields
+
+
+def model_config(fields: dict, tensor_names: set) -> dict:
+    """The Hugging Face-style config.json of a GGUF file's model, as mlx-lm reads it.
+
+    Raises:
+        UnsupportedModelError: an architecture mlx-infer does not map.
+    """
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+
+    def get(key, default=None):
+        return fields.get(f"{arch}.{key}", default)
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    n_kv = get("attention.head_count_kv", n_heads)
+    config = {
+        "model_type": ARCHITECTURES[arch],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "vocab_size": len(fields.get("tokenizer.ggml.tokens", [])) or int(get("vocab_size")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if get("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif get("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(
+            f"RoPE scaling {get('rope.scaling.type')!r} in this GGUF is not supported; supported: linear"
+        )
+    if arch == "llama" and "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(
+            "this llama GGUF uses Llama 3.1 RoPE frequency factors (rope_freqs), not supported yet; "
+            "convert the Hugging Face checkpoint with mlx_lm.convert instead"
+        )
+    if arch == "qwen2":
+        config["attention_bias"] = True
+    if arch == "gemma3":
+        config["sliding_window"] = int(get("attention.sliding_window", 512))
+        config["sliding_window_pattern"] = 6
+        config["rope_local_base_freq"] = 10000.0
+        # Gemma 3 scales queries by head_dim**-0.5, except the 27B (62 layers): hidden/heads.
+        config["query_pre_attn_scalar"] = hidden // n_heads if config["num_hidden_layers"] == 62 else head_dim
+    eos = eos_token_ids(fields, fields.get("tokenizer.ggml.tokens", []))
+    if eos:
+        config["eos_token_id"] = eos
+    return config
+
+
+def mlx_name(gguf_name: str, arch: str) -> Optional[str]:
+    """The mlx-lm module path of a GGUF tensor name ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj'),
+    with the parameter suffix split off by the caller; None for tensors mlx-lm does not use."""
+    base = gguf_name.rsplit(".", 1)[0]
+    if base in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[base]
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk":
+        names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        if parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}"
+    return None
+
+
+def convert_weights(reader, config: dict, arch: str, progress: Optional[ProgressFn] = None) -> dict:
+    """Every tensor of a GGUF file as mlx-lm-named MLX arrays.
+
+    Returns:
+        {"model.layers.0.self_attn.q_proj.weight": array, "...scales": ..., ...}.
+
+    Raises:
+        UnsupportedModelError: an unknown tensor or tensor type.
+    """
+    weights = {}
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        name = mlx_name(t.name, arch)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                continue
+            raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no place in the {arch} model; the file is not a plain {arch} model")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        suffix = t.name.rsplit(".", 1)[1]
+        if len(shape) == 2 and shape[-1] % GGML_BLOCK != 0 and t.tensor_type.name not in ("F32", "F16", "BF16"):
+            raise InvalidGGUFError(f"tensor {t.name} has {shape[-1]} columns, not a multiple of the block size")
+        arrays = tensor_to_mlx(t.data, t.tensor_type, shape, t.name)
+        if suffix == "bias":
+            arrays = {"bias": arrays["weight"]}
+        if arch == "llama" and name.endswith(("q_proj", "k_proj")):
+            heads = config["num_attention_heads"] if name.endswith("q_proj") else config["num_key_value_heads"]
+            arrays = permute_rows_for_rope(arrays, heads)
+        if arch == "gemma3" and name.endswith("norm"):
+            # llama.cpp stores Gemma's RMSNorm weights as (1 + w); mlx-lm adds the 1 itself.
+            arrays = {"weight": arrays["weight"] - 1.0}
+        for key, a in arrays.items():
+            weights[f"{name}.{key}"] = a
+        mx.eval(list(arrays.values()))
+        if progress:
+            progress(i + 1, total, t.name)
+    return weights
+
+
+def quantization_config(weights: dict) -> Optional[dict]:
+    """mlx-lm's quantization map: a default plus per-module bits where they differ.
+
+    mlx-lm infers each module's bits from its packed shape, but writing them out keeps the
+    directory readable by other MLX runtimes.
+    """
+    per_module = {}
+    for key, scales in weights.items():
+        if not key.endswith(".scales"):
+            continue
+        module = key[: -len(".scales")]
+        w = weights[f"{module}.weight"]
+        group = GGML_BLOCK
+        bits = w.shape[-1] * 32 // (scales.shape[-1] * group)
+        per_module[module] = {"group_size": group, "bits": int(bits)}
+    if not per_module:
+        return None
+    bit_counts = {}
+    for q in per_module.values():
+        bit_counts[q["bits"]] = bit_counts.get(q["bits"], 0) + 1
+    default_bits = max(bit_counts, key=bit_counts.get)
+    config = {"group_size": GGML_BLOCK, "bits": default_bits}
+    config.update({m: q for m, q in per_module.items() if q["bits"] != default_bits})
+    return config
+
+
+def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = None) -> Path:
+    """Write the MLX model directory of a GGUF file into `out_dir`.
+
+    The directory is written next to `out_dir` under a temporary name and renamed at the end, so
+    an interrupted conversion leaves nothing half-written.
+
+    Args:
+        path: the .gguf file.
+        out_dir: the directory to create; must not exist yet or be empty.
+        progress: called as progress(done, total, tensor_name) after each tensor.
+
+    Returns:
+        out_dir.
+
+    Raises:
+        ModelNotFoundError, InvalidGGUFError, UnsupportedModelError: see `open_gguf`, `model_config`.
+        MlxInferError: out_dir exists and is not empty.
+    """
+    from ..errors import MlxInferError
+
+    path, out_dir = Path(path), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise MlxInferError(f"{out_dir} exists and is not empty; choose a new output directory")
+    reader = open_gguf(path)
+    fields = read_fields(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    config = model_config(fields, tensor_names)
+    tokenizer = build_tokenizer(fields)
+    weights = convert_weights(reader, config, fields["general.architecture"], progress)
+    if (quant := quantization_config(weights)) is not None:
+        config["quantization"] = quant
+        config["quantization_config"] = quant
+    config["mlx_infer"] = {"source": path.name, "converter_version": GGUF_CONVERTER_VERSION}
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(str(tmp))
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path:
+    """The cached MLX directory of a GGUF file, converting it on first use.
+
+    The cache key is the file's resolved path, size and modification time, and the converter
+    version, so an edited or replaced file is converted again.
+    """
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
+    st = path.stat()
+    key = hashlib.sha256(
+        f"{path}|{st.st_size}|{st.st_mtime_ns}|{GGUF_CONVERTER_VERSION}".encode()
+    ).hexdigest()[:16]
+    out_dir = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    return convert_gguf(path, out_dir, progress)
