@@ -1,5 +1,47 @@
-"""mlx-infer CLI entry point (placeholder until the CLI lands)."""
+"""The `mlx-infer` command: wires the subcommands into one typer app."""
+
+import mlx_infer  # noqa: F401  (first: picks the optimized BLAS before mlx.core loads)
+
+import typer
+
+from .bench import bench
+from .chat import chat
+from .convert import convert
+from .doctor import doctor
+from .generate import generate
+
+app = typer.Typer(
+    name="mlx-infer",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command(epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(generate)
+app.command(epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
+app.command()(doctor)
+app.command(epilog="Example: mlx-infer convert model.gguf ./model-mlx")(convert)
+app.command(epilog="Example: mlx-infer bench --spec off --spec lookup -n 64")(bench)
 
 
-def main():
-    raise SystemExit("mlx-infer CLI: not built yet")
+def version_callback(value: bool) -> None:
+    """Print the version and exit."""
+    if value:
+        print(f"mlx-infer {mlx_infer.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=version_callback, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """MLX-native local LLM runtime: run GGUF and MLX models on Metal, CUDA or CPU.
+
+    With no --model, commands use the embedded default, SmolLM2-135M-Instruct (Q4_1).
+    """
+
+
+def main() -> None:
+    """Entry point of the `mlx-infer` command and `python -m mlx_infer`."""
+    app(prog_name="mlx-infer")

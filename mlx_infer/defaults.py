@@ -9,4 +9,9 @@ GGML_BLOCK = 32
 #: Group size used when a K-quant is re-quantized to MLX affine weights.
 REQUANT_GROUP_SIZE = 32
 #: Bump when the GGUF -> MLX conversion changes, so cached conversions are redone.
-GGUF_CONVERTER_VERSION = 1
+GGUF_CONVERTER_VERSION = 2
+#: Prompt lookup (arXiv 2311.03511): longest and shortest n-gram matched against the context.
+LOOKUP_MAX_NGRAM = 3
+LOOKUP_MIN_NGRAM = 1
+#: Largest draft length (gamma) tried by speculative decoding when max_draft is "auto".
+DEFAULT_MAX_DRAFT = 8

@@ -35,6 +35,12 @@ class GenerationStats:
         decode_tps: generated tokens per second after the first one.
         total_s: wall time of the request, seconds.
         peak_memory_bytes: MLX's peak memory during the request, bytes.
+        spec_mode: the drafter used by speculative decoding ("lookup", "draft"), None for plain decoding.
+        tau: committed tokens per target forward (speculative only; 0 for plain decoding).
+        rounds: speculative rounds, one target forward each (0 for plain decoding).
+        draft_s: seconds spent drafting (speculative only).
+        verify_s: seconds spent in verify forwards and accept/reject (speculative only).
+        acceptance: per-position acceptance rates of the draft tokens (speculative only, else None).
     """
 
     prompt_tokens: int = 0
@@ -44,6 +50,12 @@ class GenerationStats:
     decode_tps: float = 0.0
     total_s: float = 0.0
     peak_memory_bytes: int = 0
+    spec_mode: Optional[str] = None
+    tau: float = 0.0
+    rounds: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    acceptance: Optional[List[float]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,6 +150,9 @@ class Engine:
         *,
         system: Optional[str] = None,
         chat_template: bool = True,
+        speculative: str = "off",
+        draft_model=None,
+        max_draft: Union[str, int] = "auto",
         **sampling,
     ) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
@@ -145,6 +160,13 @@ class Engine:
         Args:
             prompt: see `encode`.
             params: SamplingParams; keyword arguments (temperature=..., max_tokens=...) override fields.
+            speculative: "off" (plain decoding), "lookup" (prompt lookup), "draft" (a draft model), "layerskip"
+                (the target minus some layers, arXiv 2309.08168) or "auto"
+                (the best drafter available: a draft model when given, else lookup). Lossless: greedy output
+                is identical to plain decoding, sampled output has the same distribution.
+            draft_model: for "draft": a model path / repo id, an Engine, or an mlx-lm model with the same
+                tokenizer.
+            max_draft: draft tokens per round, an int >= 0 or "auto".
 
         Raises:
             MlxInferError: bad parameters, empty prompt, or a prompt that fills the context window.
@@ -167,7 +189,14 @@ class Engine:
         first_at = None
         finish, n = "length", 0
         held_text, held_token = "", None  # the last token's step, yielded with the final one
-        tokens = plain_tokens(self.model, prompt_ids, params, max_tokens)
+        spec = None
+        if speculative != "off":
+            from .speculative import SpecStats, token_source
+
+            spec = SpecStats()
+            tokens = token_source(self, prompt_ids, params, max_tokens, speculative, draft_model, max_draft, spec)
+        else:
+            tokens = plain_tokens(self.model, prompt_ids, params, max_tokens)
         for token in tokens:
             first_at = first_at or time.perf_counter()
             if token in eos:
@@ -198,6 +227,9 @@ class Engine:
             total_s=end - start,
             peak_memory_bytes=int(mx.get_peak_memory()),
         )
+        if spec is not None:
+            stats.spec_mode, stats.tau, stats.rounds = spec.mode, spec.tau, spec.rounds
+            stats.draft_s, stats.verify_s, stats.acceptance = spec.draft_s, spec.verify_s, spec.acceptance
         yield GenerationStep(held_text, held_token, finish_reason=finish, stats=stats)
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:

@@ -55,13 +55,16 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise MlxInferError(f"{name} must be a finite number, got {value!r}")
 
+        def integer(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+
         finite("temperature", self.temperature)
         if self.temperature < 0:
             raise MlxInferError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         finite("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise MlxInferError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer(self.top_k) or self.top_k < 0:
             raise MlxInferError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         finite("min_p", self.min_p)
         if not 0 <= self.min_p < 1:
@@ -69,11 +72,11 @@ class SamplingParams:
         finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise MlxInferError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if not isinstance(self.repetition_context_size, int) or self.repetition_context_size < 1:
+        if not integer(self.repetition_context_size) or self.repetition_context_size < 1:
             raise MlxInferError(f"repetition_context_size must be an integer >= 1, got {self.repetition_context_size!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             raise MlxInferError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not integer(self.seed) or self.seed < 0):
             raise MlxInferError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise MlxInferError("stop strings must be non-empty strings")

@@ -11,6 +11,7 @@ mlx-lm model class of the same family.
 
 import hashlib
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -110,6 +111,11 @@ def model_config(fields: dict, tensor_names: set) -> dict:
     def get(key, default=None):
         return fields.get(f"{arch}.{key}", default)
 
+    for key in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
+        if not isinstance(get(key), numbers.Real):
+            raise InvalidGGUFError(f"GGUF metadata {arch}.{key} is missing or not a number; the file is incomplete or corrupt")
+    if not fields.get("tokenizer.ggml.tokens") and get("vocab_size") is None:
+        raise InvalidGGUFError("GGUF has no vocabulary (tokenizer.ggml.tokens); the file is incomplete or corrupt")
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // n_heads))

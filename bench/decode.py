@@ -1,0 +1,110 @@
+"""TTFT and decode tokens/s of mlx-infer against mlx_lm.stream_generate, in one run, interleaved.
+
+Rows (same GGUF, same prompt, greedy, same process):
+  mlx-lm (native)       mlx_lm.stream_generate on the model as stored (Q4_1 -> MLX 4-bit)
+  mlx-infer (native)    the same weights through mlx-infer's Engine
+  mlx-lm (float32)      mlx_lm.stream_generate on the dequantized float32 model
+  mlx-infer (float32)   mlx-infer's CPU fast path (what weights="auto" picks on CPU + OpenBLAS)
+  llama.cpp             llama-cpp-python on the same GGUF, when it is installed
+
+Usage: python bench/decode.py [--model PATH] [--trials 5] [--max-tokens 64]
+Prints a table and writes bench/results/decode-*.json.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
+from common import interleaved, machine, median, time_tokens, write_result  # noqa: E402
+
+PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+def mlx_lm_runner(engine, prompt_ids, max_tokens):
+    from mlx_lm import stream_generate
+
+    def run():
+        return time_tokens(r.token for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens))
+
+    return run
+
+
+def mlx_infer_runner(engine, prompt_ids, max_tokens):
+    def run():
+        return time_tokens(s for s in engine.stream_steps(prompt_ids, max_tokens=max_tokens) if s.token is not None)
+
+    return run
+
+
+def llama_cpp_runner(gguf_path, prompt, max_tokens):
+    """llama.cpp through llama-cpp-python (None when it is not installed)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf_path), n_ctx=2048, verbose=False)
+
+    def run():
+        messages = [{"role": "user", "content": prompt}]
+        return time_tokens(llm.create_chat_completion(messages, max_tokens=max_tokens, temperature=0.0, stream=True))
+
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    native = mlx_infer.load(args.model, weights="native")
+    fast = mlx_infer.load(args.model, weights="float32")
+    prompt_ids = native.encode(PROMPT)
+    runners = {
+        "mlx-lm (native)": mlx_lm_runner(native, prompt_ids, args.max_tokens),
+        "mlx-infer (native)": mlx_infer_runner(native, prompt_ids, args.max_tokens),
+        "mlx-lm (float32)": mlx_lm_runner(fast, prompt_ids, args.max_tokens),
+        "mlx-infer (float32)": mlx_infer_runner(fast, prompt_ids, args.max_tokens),
+    }
+    if native.source.kind in ("gguf", "default"):
+        peer = llama_cpp_runner(native.source.path, PROMPT, args.max_tokens)
+        if peer is not None:
+            runners["llama.cpp"] = peer
+    for run in runners.values():  # warm-up: compile, page in weights
+        run()
+    results = interleaved(runners, args.trials)
+
+    rows = []
+    base = {"native": median(results["mlx-lm (native)"], "decode_tps"),
+            "float32": median(results["mlx-lm (float32)"], "decode_tps")}
+    for name, trials in results.items():
+        kind = "float32" if "float32" in name else "native"
+        row = {
+            "name": name,
+            "ttft_s": median(trials, "ttft_s"),
+            "prefill_tps": len(prompt_ids) / median(trials, "ttft_s"),
+            "decode_tps": median(trials, "decode_tps"),
+            "tokens": median(trials, "tokens"),
+            "decode_vs_mlx_lm": median(trials, "decode_tps") / base[kind] if name != "llama.cpp" else None,
+        }
+        rows.append(row)
+
+    info = machine()
+    print(f"model: {native.source.name} ({native.source.path.name}); prompt {len(prompt_ids)} tokens; "
+          f"{args.max_tokens} new tokens; median of {args.trials} interleaved trials")
+    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
+    print(f"{'path':<22}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
+    for r in rows:
+        ratio = f"{r['decode_vs_mlx_lm']:.2f}x" if r["decode_vs_mlx_lm"] else "-"
+        print(f"{r['name']:<22}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['decode_tps']:>14.1f}{ratio:>11}")
+    path = write_result("decode", {"machine": info, "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
+                                   "trials": args.trials, "rows": rows, "raw": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

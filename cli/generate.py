@@ -1,0 +1,93 @@
+"""`mlx-infer generate`: one prompt in, the answer streamed to stdout (or one JSON object)."""
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from .errors import fail, user_errors
+from .options import (
+    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, Spec, SpecOpt,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
+    spec_kwargs,
+)
+from .progress import load_engine
+from .stats import print_stats
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt argument, or all of stdin when it is '-'. Raises MlxInferError when empty."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if prompt.endswith("\n"):
+            prompt = prompt[:-1]
+    if not prompt.strip():
+        raise fail("the prompt is empty; give some text (or '-' to read it from stdin)")
+    return prompt
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)],
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
+    stop: StopOpt = None,
+    system: SystemOpt = None,
+    no_chat_template: Annotated[bool, typer.Option(
+        "--no-chat-template", help="Send the prompt as raw text, without the model's chat template.")] = False,
+    weights: WeightsOpt = Weights.auto,
+    spec: SpecOpt = Spec.auto,
+    draft_model: DraftModelOpt = None,
+    max_draft: MaxDraftOpt = "auto",
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print timing and memory stats to stderr.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate an answer to PROMPT and stream it to stdout.
+
+    The model's chat template is applied when it has one. Stats and progress go to stderr.
+    """
+    with user_errors(verbose):
+        params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
+        speculative = spec_kwargs(spec, draft_model, max_draft)
+        if system and no_chat_template:
+            raise fail("--system needs the chat template; drop --no-chat-template or --system")
+        text = read_prompt(prompt)
+        engine = load_engine(model, weights.value, verbose)
+        kwargs = dict(system=system, chat_template=not no_chat_template, **speculative)
+        if as_json:
+            result = engine.generate(text, params, **kwargs)
+            out = {"model": engine.source.name, **result.to_dict()}
+            sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+            final = result.stats
+        else:
+            final = stream_to_stdout(engine.stream_steps(text, params, **kwargs))
+        if stats or verbose:
+            print_stats(final)
+
+
+def stream_to_stdout(steps):
+    """Write each step's text to stdout as it comes, end with a newline; return the final stats."""
+    final, last = None, "\n"
+    try:
+        for step in steps:
+            if step.text:
+                sys.stdout.write(step.text)
+                sys.stdout.flush()
+                last = step.text[-1]
+            if step.finish_reason is not None:
+                final = step.stats
+    finally:
+        steps.close()
+    if last != "\n":
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return final

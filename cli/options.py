@@ -1,0 +1,114 @@
+"""Flags shared by `generate` and `chat`, and the SamplingParams built from them."""
+
+from enum import Enum
+from typing import Annotated, List, Optional
+
+import typer
+
+from mlx_infer.defaults import MAX_TOKENS
+from mlx_infer.errors import MlxInferError
+from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.speculative import MODES, check_max_draft
+
+SAMPLING = "Sampling"
+MODEL = "Model"
+SPEC = "Speculative decoding"
+
+
+class Weights(str, Enum):
+    """How weights are kept in memory (see `mlx_infer.load`)."""
+
+    auto = "auto"
+    native = "native"
+    float32 = "float32"
+
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", metavar="MODEL", rich_help_panel=MODEL,
+    help="A .gguf file, an MLX / Hugging Face model directory or a Hugging Face repo id (org/name). "
+         "Default: the embedded SmolLM2-135M-Instruct (Q4_1).")]
+WeightsOpt = Annotated[Weights, typer.Option(
+    "--weights", case_sensitive=False, rich_help_panel=MODEL,
+    help="auto: float32 on the CPU backend with an optimized BLAS when memory allows, else as stored; "
+         "native: as stored (often quantized); float32: dequantize.")]
+MaxTokensOpt = Annotated[int, typer.Option(
+    "--max-tokens", "-n", rich_help_panel=SAMPLING, help="Most tokens to generate.")]
+TemperatureOpt = Annotated[float, typer.Option(
+    "--temperature", "--temp", rich_help_panel=SAMPLING, help="Sampling temperature; 0 is greedy.")]
+TopPOpt = Annotated[float, typer.Option(
+    "--top-p", rich_help_panel=SAMPLING, help="Nucleus sampling mass, in (0, 1]; 1 is off.")]
+TopKOpt = Annotated[int, typer.Option(
+    "--top-k", rich_help_panel=SAMPLING, help="Keep the k most likely tokens; 0 is off.")]
+MinPOpt = Annotated[float, typer.Option(
+    "--min-p", rich_help_panel=SAMPLING, help="Drop tokens below min-p x p(best), in [0, 1); 0 is off.")]
+SeedOpt = Annotated[Optional[int], typer.Option(
+    "--seed", rich_help_panel=SAMPLING, help="Random seed, for reproducible sampling.")]
+RepetitionPenaltyOpt = Annotated[float, typer.Option(
+    "--repetition-penalty", rich_help_panel=SAMPLING, help="Penalty > 0 for recently generated tokens; 1 is off.")]
+StopOpt = Annotated[Optional[List[str]], typer.Option(
+    "--stop", rich_help_panel=SAMPLING, help="Stop when this string appears (not printed). Repeatable.")]
+SystemOpt = Annotated[Optional[str], typer.Option(
+    "--system", "-s", help="System prompt (needs the model's chat template).")]
+#: --spec choices: mlx_infer.speculative.MODES.
+Spec = Enum("Spec", {m: m for m in MODES}, type=str)
+SpecOpt = Annotated[Spec, typer.Option(
+    "--spec", case_sensitive=False, rich_help_panel=SPEC,
+    help="Drafter for lossless speculative decoding (same output as plain decoding, faster when drafts are "
+         "accepted): auto picks the best available and falls back to plain decoding where verifying several "
+         "tokens costs as much as decoding them; off is plain decoding.")]
+DraftModelOpt = Annotated[Optional[str], typer.Option(
+    "--draft-model", metavar="MODEL", rich_help_panel=SPEC,
+    help="A smaller model with the same tokenizer, for --spec draft (or auto).")]
+MaxDraftOpt = Annotated[str, typer.Option(
+    "--max-draft", metavar="auto|N", rich_help_panel=SPEC,
+    help="Draft tokens per round: auto (chosen each round from measured costs and acceptance) or a fixed N.")]
+VerboseOpt = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Say more on stderr, and show tracebacks of errors.")]
+
+
+def sampling_params(
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: Optional[int] = None,
+    repetition_penalty: float = 1.0,
+    stop: Optional[List[str]] = None,
+) -> SamplingParams:
+    """Validated SamplingParams from the flags; raises MlxInferError naming the first bad one.
+
+    Built before the model loads, so a bad flag fails in a fraction of a second.
+    """
+    try:
+        return SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+            repetition_penalty=repetition_penalty, max_tokens=max_tokens, stop=tuple(stop or ()),
+        )
+    except MlxInferError as e:
+        raise MlxInferError(_as_flag(str(e))) from e
+
+
+def _as_flag(message: str) -> str:
+    """'top_p must be ...' -> '--top-p must be ...': name the flag the user typed."""
+    field = message.split(" ", 1)[0]
+    if field.isidentifier() and field in SamplingParams.__dataclass_fields__:
+        return "--" + field.replace("_", "-") + message[len(field):]
+    return message
+
+
+def spec_kwargs(spec, draft_model: Optional[str], max_draft: str) -> dict:
+    """Engine.stream_steps keyword arguments from the speculative flags; raises MlxInferError when bad."""
+    value = max_draft.strip().lower()
+    if value != "auto":
+        try:
+            value = int(value)
+        except ValueError:
+            raise MlxInferError(f"--max-draft must be 'auto' or an integer >= 0, got {max_draft!r}") from None
+        if value < 0:
+            raise MlxInferError(f"--max-draft must be 'auto' or an integer >= 0, got {max_draft!r}")
+    check_max_draft(value)
+    mode = spec.value if isinstance(spec, Enum) else str(spec)
+    if mode == "draft" and not draft_model:
+        raise MlxInferError("--spec draft needs --draft-model MODEL (a smaller model with the same tokenizer)")
+    return {"speculative": mode, "draft_model": draft_model, "max_draft": value}

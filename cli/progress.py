@@ -1,0 +1,96 @@
+"""Rich progress on stderr for model loading (download messages, GGUF conversion)."""
+
+import sys
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+#: All human-facing chatter goes to stderr; stdout carries only the answer (or JSON).
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class ProgressBar:
+    """A `progress(done, total, desc)` callback drawing rich progress on stderr.
+
+    On a terminal, `activity` (e.g. "loading model") shows as a spinner for as long as the bar
+    is open; conversion steps (total > 0) add a bar under it; total == 0 means `desc` is a status
+    message, printed as a line. When stderr is not a terminal nothing is drawn unless `always`
+    (--verbose): logs and scripts then see only errors. Use as a context manager.
+    """
+
+    def __init__(self, label: str = "converting", console: Console = stderr, always: bool = False,
+                 activity: Optional[str] = None):
+        self.label = label
+        self.console = console
+        self.enabled = always or console.is_terminal
+        self.activity = activity if console.is_terminal else None
+        self._progress: Optional[Progress] = None
+        self._task = None
+
+    def _start(self) -> Progress:
+        if self._progress is None:
+            self._progress = Progress(
+                SpinnerColumn(finished_text=" "),
+                TextColumn("[bold]{task.fields[label]}[/bold]"),
+                BarColumn(),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=self.console.is_terminal,
+            )
+            self._progress.start()
+        return self._progress
+
+    def __call__(self, done: int, total: int, desc: str = "") -> None:
+        if not self.enabled:
+            return
+        if total <= 0:
+            target = self._progress.console if self._progress else self.console
+            target.print(f"[dim]{desc}[/dim]")
+            return
+        progress = self._start()
+        detail = f"{done}/{total} [dim]{desc}[/dim]"
+        if self._task is None:
+            self._task = progress.add_task(desc, total=total, label=self.label, detail=detail)
+        progress.update(self._task, completed=done, total=total, detail=detail)
+
+    def open(self) -> "ProgressBar":
+        """Show the activity spinner now (terminal only)."""
+        if self.enabled and self.activity:
+            self._start().add_task(self.activity, total=None, label=self.activity, detail="")
+        return self
+
+    def close(self) -> None:
+        """Stop drawing (idempotent)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __enter__(self) -> "ProgressBar":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_engine(model: Optional[str], weights: str, verbose: bool = False):
+    """`mlx_infer.load` with a progress bar; says what was loaded on stderr when verbose."""
+    import mlx_infer
+
+    with ProgressBar("converting", always=verbose, activity=f"loading {model or 'the default model'}") as bar:
+        engine = mlx_infer.load(model, weights=weights, progress=bar)
+    if verbose:
+        src = engine.source
+        stderr.print(f"[dim]model {src.name} ({src.kind}) from {src.path}; MLX dir {src.mlx_dir}; "
+                     f"weights {src.weights}; context {engine.context_length} tokens[/dim]")
+    return engine
+
+
+def isatty(stream=None) -> bool:
+    """Whether a stream (stdin by default) is an interactive terminal."""
+    stream = stream or sys.stdin
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

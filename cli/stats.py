@@ -1,0 +1,30 @@
+"""Generation stats, printed on stderr (never stdout, which carries only the answer)."""
+
+from typing import Optional
+
+from mlx_infer.engine import GenerationStats
+
+from .progress import stderr
+
+
+def format_stats(stats: GenerationStats) -> str:
+    """One line: prompt / generated tokens, TTFT, prefill and decode speed, peak memory, and for speculative
+    decoding the drafter, tau, rounds, draft / verify time and per-position acceptance."""
+    line = (
+        f"prompt {stats.prompt_tokens} tok, generated {stats.generated_tokens} tok | "
+        f"TTFT {stats.ttft_s:.3f} s | prefill {stats.prefill_tps:.1f} tok/s | "
+        f"decode {stats.decode_tps:.1f} tok/s | peak memory {stats.peak_memory_bytes / 2**20:.1f} MiB"
+    )
+    if stats.spec_mode:
+        line += f" | spec {stats.spec_mode}"
+        if stats.rounds:
+            rates = " ".join(f"{a:.2f}" for a in (stats.acceptance or []))
+            line += (f": tau {stats.tau:.2f}, {stats.rounds} rounds, draft {stats.draft_s:.2f} s, "
+                     f"verify {stats.verify_s:.2f} s, acceptance by position [{rates}]")
+    return line
+
+
+def print_stats(stats: Optional[GenerationStats]) -> None:
+    """Print `format_stats` dimmed on stderr (nothing when there are no stats)."""
+    if stats is not None:
+        stderr.print(f"[dim]{format_stats(stats)}[/dim]")

@@ -1,0 +1,100 @@
+"""Speculative decoding: everything that makes decoding faster without changing the output.
+
+    verify.py     pure accept/reject (greedy; exact speculative sampling, arXiv 2211.17192 / 2302.01318)
+    loop.py       one round: draft -> one target forward -> verify -> commit -> KV rollback
+    drafters/     the Drafter interface; lookup (arXiv 2311.03511), draft_model
+    schedule.py   the draft length per round (max_draft="auto")
+
+`token_source` builds the token iterator the Engine consumes in place of plain decoding.
+"""
+
+from typing import Iterator, List, Optional, Union
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..defaults import DEFAULT_MAX_DRAFT
+from ..errors import MlxInferError
+from ..generation.decode import plain_tokens
+from .drafters import Drafter, DraftModelDrafter, LookupDrafter, check_same_vocab, cut_draft_model
+from .loop import SpecStats, check_rollback, speculative_tokens
+from .schedule import DraftScheduler, cost_curve, speculation_pays
+
+MODES = ("off", "auto", "lookup", "draft", "layerskip")
+
+__all__ = ["MODES", "SpecStats", "speculative_tokens", "token_source", "make_drafter", "cut_draft_model",
+           "check_max_draft", "Drafter", "LookupDrafter", "DraftModelDrafter"]
+
+
+def check_max_draft(max_draft) -> None:
+    """Raise MlxInferError unless max_draft is "auto" or an int >= 0."""
+    if max_draft == "auto":
+        return
+    if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 0:
+        raise MlxInferError(f"max_draft must be 'auto' or an integer >= 0, got {max_draft!r}")
+
+
+def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
+    """The drafter for a mode.
+
+    Args:
+        mode: "lookup", "draft", "layerskip" (arXiv 2309.08168) or "auto" (a draft model when one is given,
+            else lookup: no trained drafter is registered yet).
+        engine: the target Engine (its tokenizer is checked against a draft model's).
+        draft_model: for "draft": a model path / repo id (str), an Engine, or an mlx-lm nn.Module that shares
+            the target's tokenizer (trusted as is).
+
+    Raises:
+        MlxInferError: unknown mode, a missing or incompatible draft model.
+    """
+    if mode not in MODES or mode == "off":
+        raise MlxInferError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode in ("lookup", "auto") and draft_model is None:
+        return LookupDrafter()
+    if mode == "layerskip":
+        from .drafters.layerskip import LayerSkipDrafter, cached_skip_set
+
+        return LayerSkipDrafter(engine.model, cached_skip_set(engine))
+    if mode == "auto":
+        mode = "draft"
+    if draft_model is None:
+        raise MlxInferError("speculative='draft' needs draft_model= (a smaller model with the same tokenizer)")
+    from ..engine import Engine
+
+    if isinstance(draft_model, str):
+        cache = engine.__dict__.setdefault("_draft_engines", {})
+        if draft_model not in cache:
+            from .. import load
+
+            cache[draft_model] = load(draft_model, weights=engine.source.weights)
+        draft_model = cache[draft_model]
+    if isinstance(draft_model, Engine):
+        check_same_vocab(engine.tokenizer, draft_model.tokenizer)
+        draft_model = draft_model.model
+    return DraftModelDrafter(draft_model)
+
+
+def token_source(engine, prompt_ids: List[int], params, max_tokens: int, speculative: str,
+                 draft_model=None, max_draft: Union[str, int] = "auto",
+                 stats: Optional[SpecStats] = None) -> Iterator[int]:
+    """The speculative token iterator the Engine uses in place of plain decoding (same tokens / same
+    distribution). Arguments as `Engine.stream_steps`; raises MlxInferError for bad arguments before any
+    forward pass."""
+    check_max_draft(max_draft)
+    drafter = make_drafter(speculative, engine, draft_model)
+    stats = stats if stats is not None else SpecStats()
+    if speculative == "auto":
+        bound = DEFAULT_MAX_DRAFT if max_draft == "auto" else max_draft
+        try:
+            check_rollback(make_prompt_cache(engine.model), len(prompt_ids) + max_tokens + bound)
+        except MlxInferError:  # "auto" never fails: a cache that cannot roll back decodes plainly
+            stats.mode = "off"
+            return plain_tokens(engine.model, prompt_ids, params, max_tokens)
+    if max_draft != "auto":
+        return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, max_draft, stats)
+    curve = cost_curve(engine, DEFAULT_MAX_DRAFT + 1)
+    if not speculation_pays(curve, DEFAULT_MAX_DRAFT):
+        stats.mode = "off"  # verifying several tokens costs as much as decoding them one by one here
+        return plain_tokens(engine.model, prompt_ids, params, max_tokens)
+    scheduler = DraftScheduler(curve, DEFAULT_MAX_DRAFT)
+    return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
+                              observe=scheduler.observe)

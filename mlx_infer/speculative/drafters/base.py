@@ -1,0 +1,43 @@
+"""The drafter interface: propose from the context, learn from what was accepted."""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class Draft:
+    """A proposal.
+
+    Attributes:
+        tokens: the draft tokens x_1..x_g (g >= 0; may be shorter than asked, or empty).
+        q: [g, V] float32 probabilities the drafter sampled each token from, or None for a deterministic
+            drafter (q one-hot at the token: lookup, greedy draft models).
+    """
+
+    tokens: List[int]
+    q: Optional[mx.array] = None
+
+
+class Drafter:
+    """Base class of drafters.
+
+    A drafter sees the whole context (prompt + committed tokens; the last one is the pending token whose
+    continuation is drafted) and proposes at most `gamma` tokens. After verification the loop calls
+    `update` with how many of them were accepted and the tokens committed this round.
+    """
+
+    #: the mode name reported in stats ("lookup", "draft", ...).
+    name = "base"
+
+    def begin(self, prompt_ids: Sequence[int], params) -> None:
+        """Called once before the first round with the prompt token ids and the SamplingParams."""
+
+    def propose(self, context: Sequence[int], gamma: int) -> Draft:
+        """Propose at most `gamma` (>= 0) tokens that follow `context` (ints)."""
+        raise NotImplementedError
+
+    def update(self, n_accepted: int, committed: Sequence[int]) -> None:
+        """Called after each round: n_accepted draft tokens were kept; `committed` (n_accepted + 1 ints)
+        were appended to the context."""

@@ -1,0 +1,220 @@
+"""The speculative decoding loop: draft -> one target forward -> verify -> commit -> roll back.
+
+Cache convention (target): between rounds the target's KV cache holds every committed token except the
+last one, the *pending* token, whose KV the next round's forward computes: offset == len(prompt) +
+committed - 1. The same holds when the token generator stops for any reason (exhausted at max_tokens,
+closed by the consumer mid-round after EOS or a stop string): offset == len(prompt) + yielded - 1, where
+`yielded` counts the tokens the consumer received, exactly the state of plain decoding with the last
+yielded token still pending. Rejected draft tokens are never kept: the cache is trimmed through mlx-lm's
+trim protocol and the trimmed count is checked.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from ..defaults import PREFILL_STEP_SIZE
+from ..errors import MlxInferError
+from ..generation.sampling import SamplingParams, build_logits_processors
+from .drafters.base import Drafter
+from .verify import probabilities, process_logits, verify_greedy, verify_sampling
+
+
+@dataclass
+class SpecStats:
+    """Counters of one speculative request (mutated by the loop while it runs).
+
+    Attributes:
+        mode: the drafter used ("lookup", "draft", ...).
+        rounds: target forwards (one per round).
+        committed: tokens committed by the rounds (may exceed the tokens the consumer took).
+        draft_s: seconds spent proposing (including the draft model's forwards).
+        verify_s: seconds spent in the target forward + accept/reject (including the host sync).
+        proposed: proposed[i] = rounds that proposed a draft token at position i (0-based).
+        accepted: accepted[i] = rounds whose draft token at position i was accepted.
+    """
+
+    mode: str = ""
+    rounds: int = 0
+    committed: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    proposed: List[int] = field(default_factory=list)
+    accepted: List[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per target forward."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance(self) -> List[float]:
+        """Per-position acceptance rates: accepted[i] / proposed[i]."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    def record(self, n_proposed: int, n_accepted: int, n_committed: int) -> None:
+        self.rounds += 1
+        self.committed += n_committed
+        while len(self.proposed) < n_proposed:
+            self.proposed.append(0)
+            self.accepted.append(0)
+        for i in range(n_proposed):
+            self.proposed[i] += 1
+            self.accepted[i] += i < n_accepted
+
+
+def check_rollback(cache: Sequence, needed: int) -> None:
+    """Raise MlxInferError (before generation) unless every layer cache can roll back for a whole request.
+
+    Args:
+        cache: the target's per-layer caches (mlx-lm cache objects).
+        needed: the most tokens the cache will ever hold (prompt + max_tokens + max draft).
+    """
+    if not can_trim_prompt_cache(cache):
+        kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+        raise MlxInferError(
+            f"speculative decoding needs a KV cache that can roll back; this model uses {', '.join(kinds)}: "
+            "use speculative='off'"
+        )
+    for c in cache:
+        if isinstance(c, RotatingKVCache) and needed > c.max_size:
+            raise MlxInferError(
+                f"speculative decoding cannot roll back this model's sliding-window cache past {c.max_size} "
+                f"tokens (this request may need {needed}); shorten it or use speculative='off'"
+            )
+
+
+def _trim(cache: Sequence, n: int) -> None:
+    """Drop the last n tokens of every layer cache; raise if a layer did not drop exactly n."""
+    if n < 0:
+        raise ValueError(f"cannot trim {n} tokens")
+    if n == 0:
+        return
+    for c in cache:
+        if not 0 <= n <= c.offset:
+            raise RuntimeError(f"cannot trim {n} tokens from a cache holding {c.offset}")
+        got = c.trim(n)
+        if got != n:
+            raise RuntimeError(f"KV rollback trimmed {got} tokens, expected {n}")
+
+
+def _fit_vocab(q: mx.array, vocab: int) -> mx.array:
+    """Pad with zeros or cut a [g, V'] draft distribution to the target's V."""
+    if q.shape[-1] == vocab:
+        return q
+    if q.shape[-1] > vocab:
+        return q[:, :vocab]
+    return mx.concatenate([q, mx.zeros((q.shape[0], vocab - q.shape[-1]), q.dtype)], axis=-1)
+
+
+GammaPolicy = Union[int, Callable[[], int]]
+
+
+def speculative_tokens(
+    model: nn.Module,
+    prompt_ids: List[int],
+    params: SamplingParams,
+    max_tokens: int,
+    drafter: Drafter,
+    max_draft: GammaPolicy,
+    stats: Optional[SpecStats] = None,
+    cache: Optional[list] = None,
+    observe: Optional[Callable[[int, int, float, float], None]] = None,
+) -> Iterator[int]:
+    """Token ids of speculative decoding: the same tokens as plain decoding (greedy), or tokens with the same
+    distribution (sampling; arXiv 2211.17192, 2302.01318).
+
+    Args:
+        model: the target, an mlx-lm model.
+        prompt_ids: the prompt, token ids (non-empty).
+        params: sampling parameters (validated).
+        max_tokens: most tokens to yield (>= 1); no round drafts past it.
+        drafter: proposes draft tokens.
+        max_draft: gamma, an int >= 0, or a callable returning the gamma for the next round.
+        stats: SpecStats to fill in (optional).
+        cache: the target's per-layer caches to use (made with make_prompt_cache when None); see the
+            module docstring for the offset convention.
+        observe: optional callback(gamma_proposed, n_accepted, draft_s, verify_s) after every round.
+
+    Yields:
+        int token ids, one at a time (close the generator to stop early; the cache is then rolled back to
+        the tokens yielded).
+
+    Raises:
+        MlxInferError: the target's cache cannot roll back (raised at the first `next`, before any forward).
+    """
+    stats = stats if stats is not None else SpecStats()
+    stats.mode = drafter.name
+    if cache is None:
+        cache = make_prompt_cache(model)
+    gamma_of = max_draft if callable(max_draft) else (lambda: max_draft)
+    bound = max_draft if isinstance(max_draft, int) else 64
+    check_rollback(cache, len(prompt_ids) + max_tokens + bound)
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    processors = build_logits_processors(params)
+
+    # Prefill all but the last prompt token (the first pending token), as mlx-lm's generate_step.
+    head = prompt_ids[:-1]
+    for s in range(0, len(head), PREFILL_STEP_SIZE):
+        model(mx.array(head[s : s + PREFILL_STEP_SIZE])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    drafter.begin(prompt_ids, params)
+
+    history = list(prompt_ids)  # prompt + committed; history[-1] is pending (not in the cache)
+    produced = 0
+    while produced < max_tokens:
+        gamma = max(0, min(int(gamma_of()), max_tokens - produced - 1))
+        t0 = time.perf_counter()
+        draft = drafter.propose(history, gamma) if gamma > 0 else None
+        tokens = list(draft.tokens[:gamma]) if draft else []
+        t1 = time.perf_counter()
+
+        block = mx.array([history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
+        logits = model(block[None], cache=cache)[0].astype(mx.float32)  # [g+1, V]
+        vocab = logits.shape[-1]
+        if any(t >= vocab or t < 0 for t in tokens):  # a draft vocab larger than the target's
+            cut = next(i for i, t in enumerate(tokens) if t >= vocab or t < 0)
+            _trim(cache, len(tokens) - cut)
+            tokens = tokens[:cut]
+            logits = logits[: cut + 1]
+        g = len(tokens)
+        processed = process_logits(logits, history, tokens, params, processors)  # [g+1, V]
+        draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
+        if params.greedy:
+            n, nxt = verify_greedy(draft_arr, processed)
+        else:
+            q = draft.q[:g] if (draft is not None and draft.q is not None) else None
+            if q is not None:
+                q = _fit_vocab(q, vocab)
+            n, nxt = verify_sampling(draft_arr, probabilities(processed), q)
+        mx.eval(n, nxt)  # the round's one host sync
+        n, nxt = int(n.item()), int(nxt.item())
+        t2 = time.perf_counter()
+
+        committed = tokens[:n] + [nxt]
+        # the forward appended g+1 tokens; keep history[-1] + tokens[:n] (nxt becomes pending)
+        _trim(cache, g - n)
+        history.extend(committed)
+        drafter.update(n, committed)
+        stats.record(g, n, len(committed))
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        if observe is not None:
+            observe(g, n, t1 - t0, t2 - t1)
+
+        for i, tok in enumerate(committed):
+            try:
+                yield tok
+            except GeneratorExit:
+                # consumer stopped: keep only the tokens it received (the last of them stays pending)
+                _trim(cache, len(committed) - (i + 1))
+                raise
+            produced += 1
+            if produced >= max_tokens:
+                _trim(cache, len(committed) - (i + 1))
+                return

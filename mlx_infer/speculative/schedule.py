@@ -1,0 +1,185 @@
+"""Draft length (gamma) per round, for max_draft="auto".
+
+Speculation pays only when verifying gamma+1 tokens costs little more than one. That depends on the
+backend: on MLX's CPU backend a quantized matmul is a plain loop whose cost grows with the number of
+rows, while float32 through an optimized BLAS (or Metal / CUDA) barely notices the width.
+
+So, once per model and machine, the cost of one target forward is measured as a function of its width
+(`CostCurve`, cached on disk under the user cache dir). During a request `DraftScheduler` keeps a
+running estimate of the conditional acceptance rate of each draft position and the drafting cost per
+token, and picks each round the gamma that maximizes expected committed tokens per second:
+
+    E[committed](g) = 1 + sum_{j=1..g} prod_{i<=j} a_i,     time(g) = verify(g + 1) + g * draft_per_token
+
+gamma = 0 is a plain decoding step. When even a fully accepted draft cannot beat plain decoding on
+this curve, `speculation_pays` is false and the Engine decodes plainly (no speculative overhead).
+"""
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..defaults import DEFAULT_MAX_DRAFT
+from ..paths import cache_dir
+
+#: Context tokens in the cache while the cost curve is measured.
+COST_CONTEXT = 64
+#: Timed repetitions per width (the minimum is kept).
+COST_REPEATS = 3
+#: Prior conditional acceptance per position before anything was observed.
+ACCEPT_PRIOR = 0.5
+#: Weight of the past in the running acceptance estimates (exponential moving average).
+ACCEPT_DECAY = 0.9
+#: Rounds of plain steps after which a small draft is tried again to refresh the estimates.
+PROBE_EVERY = 16
+#: Speculation must promise this much over plain decoding to be used at all.
+MIN_GAIN = 1.05
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one target forward of `width` tokens (width 1 = a plain decoding step).
+
+    Attributes:
+        seconds: {width: seconds} for the measured widths (1 .. max_width).
+    """
+
+    seconds: Dict[int, float]
+
+    def __call__(self, width: int) -> float:
+        known = sorted(self.seconds)
+        if width in self.seconds:
+            return self.seconds[width]
+        if width > known[-1]:  # extrapolate the last slope
+            a, b = known[-2], known[-1]
+            slope = (self.seconds[b] - self.seconds[a]) / (b - a)
+            return self.seconds[b] + slope * (width - b)
+        lo = max(w for w in known if w < width)
+        hi = min(w for w in known if w > width)
+        t = (width - lo) / (hi - lo)
+        return self.seconds[lo] * (1 - t) + self.seconds[hi] * t
+
+    def to_json(self) -> dict:
+        return {str(k): v for k, v in self.seconds.items()}
+
+
+def _curve_key(engine) -> str:
+    from ..backend import backend_name, blas_in_use
+
+    ident = f"{engine.source.mlx_dir}|{engine.source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int) -> CostCurve:
+    """Time one forward of each width 1..max_width over a COST_CONTEXT-token cache (a few seconds).
+
+    Args:
+        model: the target (mlx-lm model).
+        max_width: widest verify forward to time (gamma + 1).
+        vocab_size: token ids are drawn below this.
+
+    Returns:
+        CostCurve with the minimum of COST_REPEATS timings per width, seconds.
+    """
+    cache = make_prompt_cache(model)
+    tokens = mx.random.randint(0, vocab_size, (1, COST_CONTEXT + max_width), key=mx.random.key(0))
+    mx.eval(model(tokens[:, :COST_CONTEXT], cache=cache))
+    seconds = {}
+    for width in range(1, max_width + 1):
+        best = float("inf")
+        for _ in range(COST_REPEATS + 1):  # the first run of a new shape is a warm-up
+            block = tokens[:, COST_CONTEXT : COST_CONTEXT + width]
+            start = time.perf_counter()
+            mx.eval(model(block, cache=cache))
+            best = min(best, time.perf_counter() - start)
+            for c in cache:
+                c.trim(width)
+        seconds[width] = best
+    return CostCurve(seconds)
+
+
+def cost_curve(engine, max_width: int) -> CostCurve:
+    """The target's cost curve up to `max_width`, from the disk cache or measured once and saved.
+
+    The cache key is the model directory, weights mode, backend, BLAS and MLX version.
+    """
+    path = cache_dir() / "cost" / f"{_curve_key(engine)}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            curve = CostCurve({int(k): float(v) for k, v in data["seconds"].items()})
+            if max(curve.seconds) >= max_width:
+                return curve
+        except (ValueError, KeyError):
+            pass  # unreadable: measure again
+    curve = measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"model": str(engine.source.mlx_dir), "seconds": curve.to_json()}))
+    tmp.replace(path)
+    return curve
+
+
+def expected_committed(rates: List[float], gamma: int) -> float:
+    """1 + sum_{j=1..gamma} prod_{i<=j} rates[i-1]: expected tokens committed by a round drafting gamma."""
+    total, survive = 1.0, 1.0
+    for a in rates[:gamma]:
+        survive *= a
+        total += survive
+    return total
+
+
+def speculation_pays(curve: CostCurve, max_draft: int) -> bool:
+    """Whether any gamma in 1..max_draft, fully accepted, beats plain decoding by MIN_GAIN."""
+    plain = 1.0 / curve(1)
+    return any((g + 1) / curve(g + 1) > MIN_GAIN * plain for g in range(1, max_draft + 1))
+
+
+class DraftScheduler:
+    """Chooses gamma each round (call it) and learns from each round (`observe`).
+
+    Args:
+        curve: the target's CostCurve.
+        max_draft: the largest gamma to consider.
+    """
+
+    def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT):
+        self.curve = curve
+        self.max_draft = max_draft
+        self.rates = [ACCEPT_PRIOR] * max_draft  # conditional acceptance of position i given i-1 accepted
+        self.draft_per_token = 0.0  # seconds to propose one draft token (EMA)
+        self.plain_rounds = 0
+
+    def best_gamma(self) -> int:
+        """argmax_g E[committed](g) / (verify(g+1) + g * draft_per_token), over 0..max_draft."""
+        def rate(g):
+            return expected_committed(self.rates, g) / (self.curve(g + 1) + g * self.draft_per_token)
+
+        return max(range(self.max_draft + 1), key=rate)
+
+    def __call__(self) -> int:
+        gamma = self.best_gamma()
+        if gamma == 0:
+            self.plain_rounds += 1
+            if self.plain_rounds >= PROBE_EVERY:  # estimates only move when drafts are tried
+                self.plain_rounds = 0
+                return min(2, self.max_draft)
+        return gamma
+
+    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """Update the estimates after a round that verified `proposed` draft tokens and kept `accepted`."""
+        for i in range(min(proposed, accepted + 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.rates[i] = ACCEPT_DECAY * self.rates[i] + (1 - ACCEPT_DECAY) * hit
+        if proposed:
+            per_token = draft_s / proposed
+            self.draft_per_token = (
+                per_token if self.draft_per_token == 0 else ACCEPT_DECAY * self.draft_per_token + (1 - ACCEPT_DECAY) * per_token
+            )

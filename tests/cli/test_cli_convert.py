@@ -1,0 +1,39 @@
+"""`mlx-infer convert`: the MLX directory it writes opens with mlx_lm.load and decodes like the GGUF."""
+
+import json
+
+import mlx_infer  # noqa: F401  (first: the optimized BLAS is picked before mlx.core loads)
+from conftest import cli_env
+
+
+def test_convert_default_model_round_trips_through_mlx_lm(run_cli, default_gguf, tmp_path):
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    out = tmp_path / "smollm2-mlx"
+    proc = run_cli("convert", default_gguf, out, "--verbose")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "272/272" in proc.stderr  # the progress bar, drawn on stderr under --verbose
+    assert f"wrote {out}" in proc.stderr
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["quantization"]["bits"] == 4
+
+    model, tokenizer = mlx_lm_load(str(out))
+    engine = mlx_infer.load(str(default_gguf), weights="native")
+    prompt = engine.encode("Write a poem about the sea.")
+    ours = engine.generate(prompt, max_tokens=8).token_ids
+    theirs = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=8,
+                                                sampler=make_sampler(temp=0.0))]
+    assert len(ours) == 8
+    assert theirs[:8] == ours
+    assert tokenizer.decode(ours) == engine.tokenizer.decode(ours)
+
+
+def test_convert_help_names_the_arguments(run_cli):
+    proc = run_cli("convert", "--help", env=cli_env())
+    assert proc.returncode == 0
+    assert "MODEL.gguf" in proc.stdout and "OUT_DIR" in proc.stdout

@@ -1,0 +1,64 @@
+"""`mlx-infer doctor`: backend, memory, cache, default model, BLAS (and its fix on Linux)."""
+
+import json
+import platform
+
+import mlx.core as mx
+import pytest
+from conftest import cli_env
+
+
+def test_doctor_table(run_cli):
+    proc = run_cli("doctor")
+    assert proc.returncode == 0, proc.stderr
+    for label in ("MLX", "backend", "device", "memory", "BLAS", "default model", "model cache"):
+        assert label in proc.stdout, label
+    assert mx.__version__ in proc.stdout
+
+
+def test_doctor_json(run_cli, tmp_path):
+    proc = run_cli("doctor", "--json", env=cli_env(MLX_INFER_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["mlx_version"] == mx.__version__
+    assert info["backend"] in ("metal", "cuda", "cpu")
+    assert info["total_memory_bytes"] > 2**28
+    assert info["cache_dir"] == str(tmp_path / "cache")
+    assert info["cache"] == []
+    assert info["default_model"]["where"] in ("installed package", "cache") or \
+        info["default_model"]["where"].startswith("not present")
+    if platform.system() == "Linux":
+        assert info["blas"] == "reference" or info["blas"].startswith("openblas")
+
+
+def test_doctor_lists_cached_models(run_cli, tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "gguf" / "tiny-0123").mkdir(parents=True)
+    (cache / "gguf" / "tiny-0123" / "model.safetensors").write_bytes(b"\0" * 3000)
+    info = json.loads(run_cli("doctor", "--json", env=cli_env(MLX_INFER_CACHE=str(cache))).stdout)
+    assert info["cache"] == [{"path": "gguf/tiny-0123", "bytes": 3000}]
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the reference-BLAS hint is for Linux")
+def test_doctor_says_how_to_fix_the_reference_blas(run_cli):
+    proc = run_cli("doctor", "--json", env=cli_env(MLX_INFER_BLAS="reference"))
+    info = json.loads(proc.stdout)
+    if info["backend"] != "cpu":
+        pytest.skip("MLX runs on a GPU here")
+    assert info["blas"] == "reference" and info["cpu_fast_path"] is False
+    assert "MLX_INFER_BLAS=reference" in info["blas_fix"]
+    table = run_cli("doctor", env=cli_env(MLX_INFER_BLAS="reference"))
+    assert "reference (slow)" in table.stdout and "MLX_INFER_BLAS=reference" in table.stdout
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the reference-BLAS hint is for Linux")
+def test_doctor_hint_when_openblas_is_missing(run_cli):
+    proc = run_cli("doctor", "--json", env=cli_env(MLX_INFER_OPENBLAS="/no/such/libopenblas.so"))
+    info = json.loads(proc.stdout)
+    if info["backend"] != "cpu":
+        pytest.skip("MLX runs on a GPU here")
+    assert info["blas"] == "reference"
+    assert "apt-get install libopenblas0-pthread" in info["blas_fix"]
+    assert "MLX_INFER_OPENBLAS=" in info["blas_fix"]
+    table = run_cli("doctor", env=cli_env(MLX_INFER_OPENBLAS="/no/such/libopenblas.so"))
+    assert "libopenblas0-pthread" in table.stdout

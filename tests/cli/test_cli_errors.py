@@ -1,0 +1,91 @@
+"""Bad input: one `error: ...` line on stderr, exit code 2, no traceback unless --verbose.
+
+Each case fails before a model is loaded (fast), except the prompt that overflows the context.
+"""
+
+import pytest
+from conftest import assert_user_error, cli_env
+
+
+def test_missing_gguf_file(run_cli, tmp_path):
+    assert_user_error(run_cli("generate", "hi", "-m", tmp_path / "nope.gguf"), "no GGUF file")
+
+
+def test_missing_model_dir(run_cli, tmp_path):
+    assert_user_error(run_cli("generate", "hi", "-m", tmp_path / "no" / "such" / "dir"), "no model at")
+
+
+def test_unknown_repo_offline(run_cli, tmp_path):
+    env = cli_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    line = assert_user_error(run_cli("generate", "hi", "-m", "nobody-here/no-such-model", env=env))
+    assert "nobody-here/no-such-model" in line and "HF_HUB_OFFLINE" in line
+
+
+def test_not_a_gguf(run_cli, not_gguf):
+    assert_user_error(run_cli("generate", "hi", "-m", not_gguf), "not a GGUF file")
+
+
+def test_truncated_gguf(run_cli, truncated_gguf):
+    assert_user_error(run_cli("generate", "hi", "-m", truncated_gguf), "truncated")
+
+
+def test_unsupported_architecture(run_cli, unsupported_arch_gguf):
+    line = assert_user_error(run_cli("generate", "hi", "-m", unsupported_arch_gguf), "not supported")
+    assert "'mamba'" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "   \n  "], "prompt is empty"),
+    (["generate", "hi", "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["generate", "hi", "--temp", "-1"], "--temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["generate", "hi", "--min-p", "1"], "--min-p must be in [0, 1)"),
+    (["generate", "hi", "--top-k", "-3"], "--top-k must be"),
+    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["generate", "hi", "-n", "0"], "--max-tokens must be"),
+    (["generate", "hi", "--stop", ""], "non-empty"),
+    (["generate", "hi", "--system", "Be brief.", "--no-chat-template"], "--system needs the chat template"),
+    (["chat", "--top-p", "2"], "--top-p must be in (0, 1]"),
+])
+def test_bad_flags_fail_before_loading(run_cli, args, message):
+    proc = run_cli(*args, "-m", "/definitely/not/here.gguf")  # the flag check comes first
+    assert_user_error(proc, message)
+
+
+def test_empty_prompt_from_stdin(run_cli):
+    assert_user_error(run_cli("generate", "-", input="\n"), "prompt is empty")
+
+
+def test_verbose_shows_the_traceback(run_cli, tmp_path):
+    proc = run_cli("generate", "hi", "-m", tmp_path / "nope.gguf", "--verbose")
+    assert proc.returncode == 2
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "ModelNotFoundError" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: no GGUF file")
+
+
+def test_convert_into_non_empty_dir_fails_cleanly(run_cli, truncated_gguf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_user_error(run_cli("convert", truncated_gguf, out), "not empty")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_convert_bad_file_leaves_nothing(run_cli, not_gguf, unsupported_arch_gguf, tmp_path):
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    assert_user_error(run_cli("convert", not_gguf, parent / "a"), "not a GGUF file")
+    assert_user_error(run_cli("convert", unsupported_arch_gguf, parent / "b"), "not supported")
+    assert_user_error(run_cli("convert", tmp_path / "missing.gguf", parent / "c"), "no GGUF file")
+    assert list(parent.iterdir()) == []  # no half-written or temporary directory
+
+
+def test_prompt_longer_than_the_context_window(run_cli):
+    # SmolLM2's window is 8192 tokens; the prompt comes through stdin.
+    proc = run_cli("generate", "-", "-n", "4", input="word " * 9000)
+    line = assert_user_error(proc, "context window")
+    assert "8192" in line

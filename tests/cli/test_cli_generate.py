@@ -1,0 +1,64 @@
+"""`mlx-infer generate` on the embedded default model (SmolLM2-135M-Instruct Q4_1), greedy."""
+
+import json
+import re
+
+import pytest
+
+QUESTION = "What is the capital of France?"
+STATS_LINE = re.compile(r"prompt (\d+) tok, generated (\d+) tok \| TTFT [\d.]+ s .*decode [\d.]+ tok/s \| peak memory")
+
+
+def test_generate_names_paris_and_keeps_stats_off_stdout(run_cli):
+    proc = run_cli("generate", QUESTION, "-n", "16", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert proc.stdout.endswith("\n")
+    assert "tok/s" not in proc.stdout and "peak memory" not in proc.stdout
+    match = STATS_LINE.search(proc.stderr)
+    assert match, proc.stderr
+    assert int(match.group(1)) > 5 and 1 <= int(match.group(2)) <= 16
+
+
+def test_json_output_is_one_object_with_the_fields(run_cli):
+    proc = run_cli("generate", QUESTION, "-n", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout  # nothing else on stdout
+    out = json.loads(lines[0])
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] in ("stop", "length")
+    ids = out["token_ids"]
+    assert ids and all(isinstance(t, int) for t in ids)
+    stats = out["stats"]
+    assert stats["generated_tokens"] == len(ids) <= 16
+    assert stats["prompt_tokens"] > 5
+    assert stats["ttft_s"] > 0 and stats["decode_tps"] > 0 and stats["peak_memory_bytes"] > 10**6
+
+
+def test_prompt_from_stdin_and_stop_string(run_cli):
+    proc = run_cli("generate", "-", "-n", "16", "--json", "--stop", "Paris", input=QUESTION + "\n")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    # The same greedy answer as above, cut just before the stop string.
+    assert out["finish_reason"] == "stop"
+    assert "Paris" not in out["text"]
+    assert out["text"].startswith("The capital of France is")
+
+
+def test_no_chat_template_and_system_prompt_change_the_prompt(run_cli):
+    raw = run_cli("generate", "The capital of France is", "-n", "3", "--json", "--no-chat-template")
+    templated = run_cli("generate", "The capital of France is", "-n", "3", "--json", "--system", "Be brief.")
+    assert raw.returncode == 0 and templated.returncode == 0, raw.stderr + templated.stderr
+    raw_stats, tmpl_stats = json.loads(raw.stdout)["stats"], json.loads(templated.stdout)["stats"]
+    assert raw_stats["prompt_tokens"] in (5, 6)  # the bare text (and a BOS if the model adds one)
+    assert tmpl_stats["prompt_tokens"] > raw_stats["prompt_tokens"] + 5
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible(run_cli):
+    args = ("generate", "Tell me a joke.", "-n", "8", "--json", "--temperature", "1.0", "--top-p", "0.9",
+            "--seed", "7")
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0 and second.returncode == 0
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]

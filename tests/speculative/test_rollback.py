@@ -1,0 +1,111 @@
+"""Rollback edge cases. Convention (see mlx_infer/speculative/loop.py): when the token generator stops,
+the target cache holds prompt + yielded tokens except the last yielded one: offset == P + yielded - 1."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+from mlx_infer import MlxInferError
+from mlx_infer.generation.decode import plain_tokens
+from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, speculative_tokens
+
+PROMPT = [3, 9, 27, 17, 51, 25, 11, 33, 35, 41]
+GREEDY = SamplingParams()
+
+
+def offset(cache):
+    offs = {c.offset for c in cache}
+    assert len(offs) == 1
+    return offs.pop()
+
+
+def test_stop_inside_accepted_block_and_close_mid_round(target):
+    """A consumer that stops at token k of an 8-token accepted block (as the Engine does at EOS or a stop
+    string) leaves the cache at P + k - 1, and decoding resumed from it continues exactly as plain."""
+    base = list(plain_tokens(target, PROMPT, GREEDY, 12))
+    for k in (1, 2, 5):
+        cache = make_prompt_cache(target)
+        gen = speculative_tokens(target, PROMPT, GREEDY, 12, DraftModelDrafter(target), 8, cache=cache)
+        got = [next(gen) for _ in range(k)]
+        gen.close()
+        assert got == base[:k]
+        assert offset(cache) == len(PROMPT) + k - 1
+        # resume: the pending token is got[-1]; the cache must hold exactly PROMPT + got[:-1]
+        logits = target(mx.array([got[-1]])[None], cache=cache)
+        assert int(mx.argmax(logits[0, -1]).item()) == base[k]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 9])
+def test_max_tokens_mid_block(target, max_tokens):
+    cache = make_prompt_cache(target)
+    out = list(speculative_tokens(target, PROMPT, GREEDY, max_tokens, DraftModelDrafter(target), 8, cache=cache))
+    assert out == list(plain_tokens(target, PROMPT, GREEDY, max_tokens))
+    assert offset(cache) == len(PROMPT) + max_tokens - 1
+
+
+class WidthSpy:
+    """Wraps a model and records the width of every forward."""
+
+    def __init__(self, model):
+        self.model, self.widths = model, []
+        self.layers = model.layers
+
+    def __call__(self, x, cache=None):
+        self.widths.append(x.shape[1])
+        return self.model(x, cache=cache)
+
+
+def test_gamma_larger_than_remaining(target):
+    spy = WidthSpy(target)
+    cache = make_prompt_cache(target)
+    out = list(speculative_tokens(spy, PROMPT, GREEDY, 3, DraftModelDrafter(target), 8, cache=cache))
+    assert out == list(plain_tokens(target, PROMPT, GREEDY, 3))
+    decode_widths = spy.widths[1:]  # after the prefill
+    assert max(decode_widths) <= 3, "a round never verifies past max_tokens"
+    assert offset(cache) == len(PROMPT) + 2
+
+
+def test_lookup_rollback_after_rejections(target):
+    """Lookup drafts on a copy-heavy prompt get partly rejected; the cache still ends at the convention."""
+    prompt = PROMPT * 3
+    cache = make_prompt_cache(target)
+    out = list(speculative_tokens(target, prompt, GREEDY, 15, LookupDrafter(), 6, cache=cache))
+    assert out == list(plain_tokens(target, prompt, GREEDY, 15))
+    assert offset(cache) == len(prompt) + 14
+
+
+class FrozenCache:
+    """A cache that cannot roll back (as recurrent / SSM state)."""
+
+    offset = 0
+
+    def is_trimmable(self):
+        return False
+
+
+def test_untrimmable_cache_is_a_clear_error(target):
+    gen = speculative_tokens(target, PROMPT, GREEDY, 4, LookupDrafter(), 4, cache=[FrozenCache()])
+    with pytest.raises(MlxInferError, match="roll back"):
+        next(gen)
+
+
+def test_rotating_window_too_small_is_a_clear_error(target):
+    cache = [RotatingKVCache(max_size=16) for _ in target.layers]
+    gen = speculative_tokens(target, PROMPT, GREEDY, 32, LookupDrafter(), 4, cache=cache)
+    with pytest.raises(MlxInferError, match="sliding-window"):
+        next(gen)
+
+
+def test_draft_model_vocab_mismatch_is_a_clear_error():
+    from mlx_infer.speculative import check_same_vocab
+
+    class Tok:
+        def __init__(self, v):
+            self.v = v
+
+        def get_vocab(self):
+            return self.v
+
+    with pytest.raises(MlxInferError, match="tokenizer"):
+        check_same_vocab(Tok({"a": 0, "b": 1}), Tok({"a": 0, "c": 1}))

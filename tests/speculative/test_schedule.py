@@ -1,0 +1,97 @@
+"""Draft-length scheduling: cost curves, acceptance estimates, the choice of gamma, the plain fallback."""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+
+from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
+from mlx_infer.speculative.schedule import (
+    PROBE_EVERY,
+    CostCurve,
+    DraftScheduler,
+    expected_committed,
+    measure_cost_curve,
+    speculation_pays,
+)
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve({1: 1.0, 3: 2.0, 5: 4.0})
+    assert curve(1) == 1.0
+    assert curve(2) == pytest.approx(1.5)
+    assert curve(4) == pytest.approx(3.0)
+    assert curve(7) == pytest.approx(6.0)  # the last slope (1 s per token) continued
+
+
+@pytest.mark.parametrize("rates", [[0.5] * 4, [0.9, 0.5, 0.2, 0.1], [1.0, 1.0, 0.0, 1.0]])
+def test_expected_committed_matches_enumeration(rates):
+    """E[committed] = sum over outcomes: accept a prefix of length k (prob prod a_1..a_k * (1 - a_{k+1})), commit k+1."""
+    for gamma in range(len(rates) + 1):
+        total = 0.0
+        for k in range(gamma + 1):
+            p = 1.0
+            for a in rates[:k]:
+                p *= a
+            if k < gamma:
+                p *= 1 - rates[k]
+            total += p * (k + 1)
+        assert expected_committed(rates, gamma) == pytest.approx(total)
+
+
+def test_speculation_pays_only_when_width_is_cheap():
+    flat = CostCurve({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)})
+    linear = CostCurve({w: float(w) for w in range(1, 10)})
+    assert speculation_pays(flat, 8)
+    assert not speculation_pays(linear, 8)
+
+
+def test_scheduler_picks_long_drafts_when_they_are_accepted_and_cheap():
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.01 * w for w in range(1, 10)}), max_draft=8)
+    for _ in range(60):
+        s.observe(8, 8, 0.0, 1.0)
+    assert s() == 8
+
+
+def test_scheduler_falls_back_to_plain_steps_and_probes():
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.5 * (w - 1) for w in range(1, 10)}), max_draft=8)
+    for _ in range(60):
+        s.observe(2, 0, 0.0, 1.0)  # every draft rejected at once
+    choices = [s() for _ in range(PROBE_EVERY)]
+    assert choices[:-1] == [0] * (PROBE_EVERY - 1)
+    assert choices[-1] == 2  # a probe every PROBE_EVERY plain rounds keeps the estimates fresh
+
+
+def test_scheduler_counts_only_observed_positions():
+    s = DraftScheduler(CostCurve({1: 1.0, 9: 1.0}), max_draft=4)
+    s.observe(4, 1, 0.0, 1.0)  # position 0 accepted, 1 rejected, 2..3 never judged
+    assert s.rates[0] > 0.5 and s.rates[1] < 0.5 and s.rates[2] == s.rates[3] == 0.5
+
+
+def test_measure_cost_curve_times_every_width(make_tiny):
+    model = make_tiny(seed=3)
+    curve = measure_cost_curve(model, 4, vocab_size=64)
+    assert sorted(curve.seconds) == [1, 2, 3, 4]
+    assert all(t > 0 for t in curve.seconds.values())
+
+
+def test_skip_view_runs_the_kept_layers_only(make_tiny):
+    model = make_tiny(seed=4, layers=3)
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    view = skip_view(model, [0, 2])
+    # the same computation by hand: embed, layers 0 and 2 with a causal mask, norm, head
+    from mlx_lm.models.base import create_attention_mask
+
+    h = model.model.embed_tokens(tokens)
+    mask = create_attention_mask(h, None)
+    for i in (0, 2):
+        h = model.model.layers[i](h, mask, None)
+    expected = model.lm_head(model.model.norm(h))
+    assert mx.allclose(view(tokens), expected, atol=1e-5).item()
+    assert len(model.model.layers) == 3  # the target is untouched
+
+
+def test_candidate_skips_keep_first_and_last_layers():
+    for n in (4, 12, 30):
+        for skip in candidate_skips(n):
+            assert skip and 0 not in skip and n - 1 not in skip and len(set(skip)) == len(skip)

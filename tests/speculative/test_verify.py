@@ -1,0 +1,105 @@
+"""Property tests of the accept/reject functions against straightforward references (hypothesis)."""
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_infer.speculative.verify import verify_greedy, verify_sampling
+
+V = 6
+
+
+@st.composite
+def greedy_case(draw):
+    g = draw(st.integers(0, 6))
+    logits = draw(st.lists(st.lists(st.integers(-5, 5), min_size=V, max_size=V), min_size=g + 1, max_size=g + 1))
+    logits = np.array(logits, dtype=np.float32) + np.arange(V, dtype=np.float32) * 1e-3  # no ties
+    targets = logits.argmax(-1)
+    # drafts that often agree with the target for a while
+    agree = draw(st.integers(0, g))
+    draft = [int(targets[i]) if i < agree else draw(st.integers(0, V - 1)) for i in range(g)]
+    return draft, logits
+
+
+def ref_greedy(draft, logits):
+    t = logits.argmax(-1)
+    n = 0
+    while n < len(draft) and draft[n] == t[n]:
+        n += 1
+    return n, int(t[n])
+
+
+@settings(max_examples=200, deadline=None)
+@given(greedy_case())
+def test_greedy_matches_reference(case):
+    draft, logits = case
+    n, tok = verify_greedy(mx.array(draft, dtype=mx.int32), mx.array(logits))
+    assert (int(n.item()), int(tok.item())) == ref_greedy(draft, logits)
+
+
+def _dist(draw, rows, zero_ok=True):
+    out = []
+    for _ in range(rows):
+        w = np.array(draw(st.lists(st.integers(0 if zero_ok else 1, 9), min_size=V, max_size=V)), dtype=np.float64)
+        if w.sum() == 0:
+            w[draw(st.integers(0, V - 1))] = 1
+        out.append(w / w.sum())
+    return np.array(out, dtype=np.float32).reshape(rows, V)
+
+
+@st.composite
+def sampling_case(draw):
+    g = draw(st.integers(0, 5))
+    p = _dist(draw, g + 1)
+    deterministic = draw(st.booleans())
+    q = None if deterministic else _dist(draw, g)
+    if q is None:
+        draft = [draw(st.integers(0, V - 1)) for _ in range(g)]
+    else:  # the drafter really sampled from q: only tokens with q > 0
+        draft = [draw(st.sampled_from([int(x) for x in np.nonzero(q[i] > 0)[0]])) for i in range(g)]
+    u = [draw(st.floats(0, 0.9999)) for _ in range(g)]  # float32 uniforms in [0, 1)
+    return draft, p, q, np.array(u, dtype=np.float32)
+
+
+def ref_sampling(draft, p, q, u):
+    """(n, distribution of the next token) by the textbook rule (arXiv 2211.17192, Algorithm 1)."""
+    for i, x in enumerate(draft):
+        qi = np.eye(V)[x] if q is None else q[i].astype(np.float64)
+        pi = p[i].astype(np.float64)
+        if not u[i] < min(1.0, pi[x] / qi[x]):
+            r = np.maximum(pi - qi, 0)
+            return i, (r / r.sum() if r.sum() > 0 else pi)
+    return len(draft), p[len(draft)].astype(np.float64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sampling_case(), st.integers(0, 2**31 - 1))
+def test_sampling_matches_reference(case, seed):
+    draft, p, q, u = case
+    n, tok = verify_sampling(
+        mx.array(draft, dtype=mx.int32), mx.array(p), None if q is None else mx.array(q), mx.array(u),
+        key=mx.random.key(seed),
+    )
+    n_ref, dist = ref_sampling(draft, p, q, u)
+    # float32 vs float64 only matters when u sits on the boundary p/q
+    boundary = any(abs(u[i] * (1 if q is None else q[i][x]) - p[i][x]) < 1e-6 for i, x in enumerate(draft))
+    if not boundary:
+        assert int(n.item()) == n_ref
+        assert dist[int(tok.item())] > 0, "the recovered / bonus token must come from the reference distribution"
+
+
+def test_recovered_token_distribution():
+    """With fixed p, q the first committed token is distributed as p (the whole point of the residual)."""
+    p = np.array([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]], np.float32)
+    q = np.array([[0.1, 0.6, 0.1, 0.2]], np.float32)
+    N = 20000
+    rng = np.random.default_rng(0)
+    draft = rng.choice(4, size=N, p=q[0])
+    firsts = []
+    keys = mx.random.split(mx.random.key(1), N)
+    for i in range(N):
+        n, tok = verify_sampling(mx.array([int(draft[i])], mx.int32), mx.array(p), mx.array(q), key=keys[i])
+        firsts.append(int(draft[i]) if int(n.item()) == 1 else int(tok.item()))
+    freq = np.bincount(firsts, minlength=4) / N
+    assert np.abs(freq - p[0]).sum() / 2 < 0.02, freq
