@@ -197,20 +197,22 @@ class Engine:
             tokens = token_source(self, prompt_ids, params, max_tokens, speculative, draft_model, max_draft, spec)
         else:
             tokens = plain_tokens(self.model, prompt_ids, params, max_tokens)
-        for token in tokens:
-            first_at = first_at or time.perf_counter()
-            if token in eos:
-                finish = "stop"
-                break
-            n += 1
-            detok.add_token(token)
-            text, hit = stops.feed(detok.text)
-            if hit or n >= max_tokens:
-                finish = "stop" if hit else "length"
-                held_text, held_token = text, token
-                break
-            yield GenerationStep(text, token)
-        tokens.close()
+        try:
+            for token in tokens:
+                first_at = first_at or time.perf_counter()
+                if token in eos:
+                    finish = "stop"
+                    break
+                n += 1
+                detok.add_token(token)
+                text, hit = stops.feed(detok.text)
+                if hit or n >= max_tokens:
+                    finish = "stop" if hit else "length"
+                    held_text, held_token = text, token
+                    break
+                yield GenerationStep(text, token)
+        finally:  # also when the consumer closes this generator: the token source rolls its cache back
+            tokens.close()
         end = time.perf_counter()
         if not (finish == "stop" and held_token is not None):  # no stop string hit yet
             detok.finalize()

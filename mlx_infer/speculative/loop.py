@@ -20,6 +20,7 @@ from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_pro
 from ..defaults import PREFILL_STEP_SIZE
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams, build_logits_processors
+from .capture import TargetTaps
 from .drafters.base import Drafter
 from .verify import probabilities, process_logits, verify_greedy, verify_sampling
 
@@ -145,8 +146,23 @@ def speculative_tokens(
         the tokens yielded).
 
     Raises:
-        MlxInferError: the target's cache cannot roll back (raised at the first `next`, before any forward).
+        MlxInferError: the target's cache cannot roll back, or the drafter taps layers the target lacks
+            (raised at the first `next`, before any forward).
+
+    A drafter with `wants_hidden` (DFlash, DSpark) gets the target's taps of the committed positions: the
+    tapped layers are wrapped (capture.TargetTaps) for the request and restored when the generator ends.
     """
+    taps = TargetTaps(model, drafter.target_layer_ids) if getattr(drafter, "wants_hidden", False) else None
+    args = (model, prompt_ids, params, max_tokens, drafter, max_draft, stats, cache, observe)
+    if taps is None:
+        return (yield from _rounds(*args, None))
+    with taps:
+        return (yield from _rounds(*args, taps))
+
+
+def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, cache, observe,
+            taps: Optional[TargetTaps]) -> Iterator[int]:
+    """The rounds of `speculative_tokens` (same arguments); taps: installed TargetTaps, or None."""
     stats = stats if stats is not None else SpecStats()
     stats.mode = drafter.name
     if cache is None:
@@ -160,10 +176,16 @@ def speculative_tokens(
 
     # Prefill all but the last prompt token (the first pending token), as mlx-lm's generate_step.
     head = prompt_ids[:-1]
+    feats = []  # taps of the prompt head, [1, rows, n*H] per chunk (taps only)
     for s in range(0, len(head), PREFILL_STEP_SIZE):
         model(mx.array(head[s : s + PREFILL_STEP_SIZE])[None], cache=cache)
         mx.eval([c.state for c in cache])
-    drafter.begin(prompt_ids, params)
+        if taps is not None:
+            feats.append(taps.features())
+    if taps is None:
+        drafter.begin(prompt_ids, params)
+    else:
+        drafter.begin(prompt_ids, params, hidden=mx.concatenate(feats, axis=1) if feats else None)
 
     history = list(prompt_ids)  # prompt + committed; history[-1] is pending (not in the cache)
     produced = 0
@@ -176,6 +198,7 @@ def speculative_tokens(
 
         block = mx.array([history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
         logits = model(block[None], cache=cache)[0].astype(mx.float32)  # [g+1, V]
+        rows = taps.features() if taps is not None else None  # [1, g+1, n*H]
         vocab = logits.shape[-1]
         if any(t >= vocab or t < 0 for t in tokens):  # a draft vocab larger than the target's
             cut = next(i for i, t in enumerate(tokens) if t >= vocab or t < 0)
@@ -200,7 +223,10 @@ def speculative_tokens(
         # the forward appended g+1 tokens; keep history[-1] + tokens[:n] (nxt becomes pending)
         _trim(cache, g - n)
         history.extend(committed)
-        drafter.update(n, committed)
+        if taps is None:
+            drafter.update(n, committed)
+        else:  # only committed positions: the old pending token and the accepted drafts
+            drafter.update(n, committed, hidden=rows[:, : n + 1])
         stats.record(g, n, len(committed))
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

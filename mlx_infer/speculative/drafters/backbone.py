@@ -175,3 +175,63 @@ class Backbone(nn.Module):
         for layer, c in zip(self.layers, cache):
             h = layer(h, ctx, c)
         return self.norm(h)
+
+
+def backbone_config(config: dict, num_taps: int, what: str) -> BackboneConfig:
+    """BackboneConfig from a Hugging Face-style config dict (Qwen3 keys; `rope_theta` or `rope_parameters`;
+    optional `layer_types` + `sliding_window`).
+
+    Raises:
+        MlxInferError: a missing or malformed key.
+    """
+    from ...errors import MlxInferError
+    from .checkpoint import require
+
+    H = require(config, "hidden_size", what)
+    heads = require(config, "num_attention_heads", what)
+    layers = require(config, "num_hidden_layers", what)
+    rope_params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or rope_params.get("rope_theta") or 1_000_000.0
+    scaling = config.get("rope_scaling")
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = rope_params
+    windows: List[Optional[int]] = []
+    types = config.get("layer_types")
+    if types:
+        if len(types) < layers:
+            raise MlxInferError(f"{what} config.json: layer_types has {len(types)} entries for {layers} layers")
+        if "sliding_attention" in types[:layers]:
+            window = require(config, "sliding_window", what)
+            windows = [window if t == "sliding_attention" else None for t in types[:layers]]
+    return BackboneConfig(
+        hidden_size=H,
+        intermediate_size=require(config, "intermediate_size", what),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or H // heads),
+        num_taps=num_taps,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+        attention_bias=bool(config.get("attention_bias", False)),
+        windows=windows,
+    )
+
+
+def backbone_keys(cfg: BackboneConfig) -> dict:
+    """The Hugging Face config keys that `backbone_config` reads back to `cfg` (num_taps excluded)."""
+    out = {
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.attention_bias,
+    }
+    if cfg.rope_scaling:
+        out["rope_scaling"] = cfg.rope_scaling
+    if any(w is not None for w in cfg.windows):
+        out["layer_types"] = ["sliding_attention" if w is not None else "full_attention" for w in cfg.windows]
+        out["sliding_window"] = next(w for w in cfg.windows if w is not None)
+    return out

@@ -30,6 +30,11 @@ class Drafter:
 
     #: the mode name reported in stats ("lookup", "draft", ...).
     name = "base"
+    #: True for drafters fed the target's hidden states (DFlash, DSpark): the loop then taps the target's
+    #: decoder layers `target_layer_ids` and passes `hidden=` ([1, rows, n*H], committed positions only)
+    #: to `begin` (the prompt head) and `update` (the anchor and the accepted drafts).
+    wants_hidden = False
+    target_layer_ids: Sequence[int] = ()
 
     def begin(self, prompt_ids: Sequence[int], params) -> None:
         """Called once before the first round with the prompt token ids and the SamplingParams."""
