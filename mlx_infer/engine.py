@@ -165,7 +165,8 @@ class Engine:
                 (the best drafter available: a draft model when given, else lookup). Lossless: greedy output
                 is identical to plain decoding, sampled output has the same distribution.
             draft_model: for "draft": a model path / repo id, an Engine, or an mlx-lm model with the same
-                tokenizer.
+                tokenizer. For "dflash" (arXiv 2602.06036) / "dspark" (block drafters fed the target's hidden
+                states): a drafter directory or repo id in the published format.
             max_draft: draft tokens per round, an int >= 0 or "auto".
 
         Raises:

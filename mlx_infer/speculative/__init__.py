@@ -2,7 +2,10 @@
 
     verify.py     pure accept/reject (greedy; exact speculative sampling, arXiv 2211.17192 / 2302.01318)
     loop.py       one round: draft -> one target forward -> verify -> commit -> KV rollback
-    drafters/     the Drafter interface; lookup (arXiv 2311.03511), draft_model
+    drafters/     the Drafter interface; lookup (arXiv 2311.03511), draft_model, layerskip,
+                  dflash (arXiv 2602.06036) and dspark (block drafters fed the target's hidden states)
+    capture.py    taps of the target's decoder-layer outputs for the block drafters
+    confidence.py DSpark's confidence-scheduled verify length
     schedule.py   the draft length per round (max_draft="auto")
 
 `token_source` builds the token iterator the Engine consumes in place of plain decoding.
@@ -19,7 +22,7 @@ from .drafters import Drafter, DraftModelDrafter, LookupDrafter, check_same_voca
 from .loop import SpecStats, check_rollback, speculative_tokens
 from .schedule import DraftScheduler, cost_curve, speculation_pays
 
-MODES = ("off", "auto", "lookup", "draft", "layerskip")
+MODES = ("off", "auto", "lookup", "draft", "layerskip", "dflash", "dspark")
 
 __all__ = ["MODES", "SpecStats", "speculative_tokens", "token_source", "make_drafter", "cut_draft_model",
            "check_max_draft", "Drafter", "LookupDrafter", "DraftModelDrafter"]
@@ -41,7 +44,8 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
             else lookup: no trained drafter is registered yet).
         engine: the target Engine (its tokenizer is checked against a draft model's).
         draft_model: for "draft": a model path / repo id (str), an Engine, or an mlx-lm nn.Module that shares
-            the target's tokenizer (trusted as is).
+            the target's tokenizer (trusted as is). For "dflash" / "dspark": a drafter directory or repo id,
+            a DFlashModel / DSparkModel, or a ready drafter.
 
     Raises:
         MlxInferError: unknown mode, a missing or incompatible draft model.
@@ -54,6 +58,10 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
         from .drafters.layerskip import LayerSkipDrafter, cached_skip_set
 
         return LayerSkipDrafter(engine.model, cached_skip_set(engine))
+    if mode in ("dflash", "dspark"):
+        from .drafters.load import block_drafter
+
+        return block_drafter(mode, engine, draft_model)
     if mode == "auto":
         mode = "draft"
     if draft_model is None:
@@ -89,6 +97,8 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
         except MlxInferError:  # "auto" never fails: a cache that cannot roll back decodes plainly
             stats.mode = "off"
             return plain_tokens(engine.model, prompt_ids, params, max_tokens)
+    if max_draft == "auto" and hasattr(drafter, "max_draft"):
+        max_draft = drafter.max_draft  # block drafters: one block per round (DSpark cuts it by confidence)
     if max_draft != "auto":
         return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, max_draft, stats)
     curve = cost_curve(engine, DEFAULT_MAX_DRAFT + 1)

@@ -30,9 +30,11 @@ def test_version(run_cli):
     assert proc.stdout.strip() == f"mlx-infer {mlx_infer.__version__}"
 
 
-def test_python_dash_m_runs_the_same_app():
+def test_python_dash_m_runs_the_same_app(tmp_path):
+    # Run outside the checkout: `python -m` puts the working directory first on sys.path, and the source
+    # tree keeps the CLI in cli/, which only the installed package maps to mlx_infer.cli.
     proc = subprocess.run([sys.executable, "-m", "mlx_infer", "--version"], capture_output=True, text=True,
-                          env=cli_env(), timeout=120)
+                          env=cli_env(), timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"mlx-infer {mlx_infer.__version__}"
 

@@ -1,0 +1,37 @@
+"""Build a DFlash or DSpark drafter for an Engine's target from what the user gave (speculative="dflash" /
+"dspark", draft_model=...)."""
+
+from ...errors import MlxInferError
+from .base import Drafter
+
+
+def block_drafter(mode: str, engine, source) -> Drafter:
+    """The block drafter of `mode` for engine.model.
+
+    Args:
+        mode: "dflash" or "dspark".
+        engine: the target Engine (DSpark: its verify cost curve is measured once and cached on disk).
+        source: a drafter directory or HF repo id (str / Path), a DFlashModel / DSparkModel, or a ready
+            Drafter (returned as is).
+
+    Raises:
+        MlxInferError: no source, a malformed checkpoint, or a drafter that does not fit the target.
+    """
+    from .dflash import DFlashDrafter, DFlashModel, load_dflash_model
+    from .dspark import DSparkDrafter, DSparkModel, load_dspark_model
+
+    if source is None:
+        raise MlxInferError(f"speculative='{mode}' needs draft_model= (a {mode} drafter directory or repo id)")
+    if isinstance(source, Drafter):
+        return source
+    if mode == "dflash":
+        model = source if isinstance(source, DFlashModel) else load_dflash_model(source)
+        return DFlashDrafter(model, engine.model)
+    model = source if isinstance(source, DSparkModel) else load_dspark_model(source)
+    from ..confidence import ConfidenceSchedule
+    from ..schedule import cost_curve
+
+    drafter = DSparkDrafter(model, engine.model)  # checks the fit before any timing
+    if model.has_confidence:
+        drafter.schedule = ConfidenceSchedule(curve=cost_curve(engine, model.block_size + 1))
+    return drafter
