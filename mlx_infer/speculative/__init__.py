@@ -105,6 +105,6 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
     if not speculation_pays(curve, DEFAULT_MAX_DRAFT):
         stats.mode = "off"  # verifying several tokens costs as much as decoding them one by one here
         return plain_tokens(engine.model, prompt_ids, params, max_tokens)
-    scheduler = DraftScheduler(curve, DEFAULT_MAX_DRAFT)
+    scheduler = DraftScheduler(curve, DEFAULT_MAX_DRAFT, free=drafter.free)
     return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
                               observe=scheduler.observe)

@@ -124,7 +124,7 @@ def speculative_tokens(
     max_draft: GammaPolicy,
     stats: Optional[SpecStats] = None,
     cache: Optional[list] = None,
-    observe: Optional[Callable[[int, int, float, float], None]] = None,
+    observe: Optional[Callable[..., None]] = None,
 ) -> Iterator[int]:
     """Token ids of speculative decoding: the same tokens as plain decoding (greedy), or tokens with the same
     distribution (sampling; arXiv 2211.17192, 2302.01318).
@@ -139,7 +139,8 @@ def speculative_tokens(
         stats: SpecStats to fill in (optional).
         cache: the target's per-layer caches to use (made with make_prompt_cache when None); see the
             module docstring for the offset convention.
-        observe: optional callback(gamma_proposed, n_accepted, draft_s, verify_s) after every round.
+        observe: optional callback(gamma_proposed, n_accepted, draft_s, verify_s, key=Draft.key) after every
+            round.
 
     Yields:
         int token ids, one at a time (close the generator to stop early; the cache is then rolled back to
@@ -194,6 +195,8 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
         t0 = time.perf_counter()
         draft = drafter.propose(history, gamma) if gamma > 0 else None
         tokens = list(draft.tokens[:gamma]) if draft else []
+        if tokens and hasattr(max_draft, "cut"):  # a free drafter proposed the most; keep what pays
+            tokens = tokens[: max_draft.cut(draft)]
         t1 = time.perf_counter()
 
         block = mx.array([history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
@@ -231,7 +234,7 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         if observe is not None:
-            observe(g, n, t1 - t0, t2 - t1)
+            observe(g, n, t1 - t0, t2 - t1, key=draft.key if draft is not None else None)
 
         for i, tok in enumerate(committed):
             try:

@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,11 +32,15 @@ from ..paths import cache_dir
 #: Context tokens in the cache while the cost curve is measured.
 COST_CONTEXT = 64
 #: Timed repetitions per width (the minimum is kept).
-COST_REPEATS = 3
-#: Prior conditional acceptance per position before anything was observed.
-ACCEPT_PRIOR = 0.5
-#: Weight of the past in the running acceptance estimates (exponential moving average).
-ACCEPT_DECAY = 0.9
+COST_REPEATS = 5
+#: Prior of each position's conditional acceptance: ACCEPT_PRIOR_HITS accepted out of ACCEPT_PRIOR_TRIALS
+#: pseudo-observations (mean 0.5, weak, so that a few real rounds outweigh it).
+ACCEPT_PRIOR_HITS = 1.0
+ACCEPT_PRIOR_TRIALS = 2.0
+#: Forgetting factor of the acceptance counts per observation (recent rounds weigh more).
+ACCEPT_DECAY = 0.95
+#: Weight of the past in the running drafting-cost estimate (exponential moving average).
+COST_DECAY = 0.9
 #: Rounds of plain steps after which a small draft is tried again to refresh the estimates.
 PROBE_EVERY = 16
 #: Speculation must promise this much over plain decoding to be used at all.
@@ -91,17 +95,19 @@ def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int) -> Cos
     cache = make_prompt_cache(model)
     tokens = mx.random.randint(0, vocab_size, (1, COST_CONTEXT + max_width), key=mx.random.key(0))
     mx.eval(model(tokens[:, :COST_CONTEXT], cache=cache))
-    seconds = {}
-    for width in range(1, max_width + 1):
-        best = float("inf")
-        for _ in range(COST_REPEATS + 1):  # the first run of a new shape is a warm-up
+    seconds = {w: float("inf") for w in range(1, max_width + 1)}
+    # Widths interleaved within each repeat, so that load from other programs hits them alike; the first
+    # repeat compiles each new shape and is not kept.
+    for rep in range(COST_REPEATS + 1):
+        for width in range(1, max_width + 1):
             block = tokens[:, COST_CONTEXT : COST_CONTEXT + width]
             start = time.perf_counter()
             mx.eval(model(block, cache=cache))
-            best = min(best, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
             for c in cache:
                 c.trim(width)
-        seconds[width] = best
+            if rep:
+                seconds[width] = min(seconds[width], elapsed)
     return CostCurve(seconds)
 
 
@@ -145,41 +151,82 @@ def speculation_pays(curve: CostCurve, max_draft: int) -> bool:
 class DraftScheduler:
     """Chooses gamma each round (call it) and learns from each round (`observe`).
 
+    A drafter that costs something to run (a draft model) gets its gamma before proposing. A free one
+    (prompt lookup) is asked for max_draft tokens and `cut` keeps the prefix worth verifying, with
+    acceptance estimated separately per confidence bucket the drafter reports (`Draft.key`: lookup's
+    matched n-gram length), the idea of DSpark's confidence-scheduled verification.
+
     Args:
         curve: the target's CostCurve.
         max_draft: the largest gamma to consider.
+        free: the drafter proposes at no cost (see above).
     """
 
-    def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT):
+    def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT, free: bool = False):
         self.curve = curve
         self.max_draft = max_draft
-        self.rates = [ACCEPT_PRIOR] * max_draft  # conditional acceptance of position i given i-1 accepted
-        self.draft_per_token = 0.0  # seconds to propose one draft token (EMA)
+        self.free = free
+        # Per bucket, discounted counts per position i: rounds that judged draft token i (its predecessors
+        # accepted), and how many of those accepted it.
+        self.hits: Dict[Optional[int], List[float]] = {}
+        self.trials: Dict[Optional[int], List[float]] = {}
+        self.draft_per_token = 0.0 if free else None  # seconds per draft token (EMA); None = unknown yet
         self.plain_rounds = 0
 
-    def best_gamma(self) -> int:
-        """argmax_g E[committed](g) / (verify(g+1) + g * draft_per_token), over 0..max_draft."""
-        def rate(g):
-            return expected_committed(self.rates, g) / (self.curve(g + 1) + g * self.draft_per_token)
+    def rates(self, key: Optional[int] = None) -> List[float]:
+        """Estimated conditional acceptance of each draft position (given its predecessors were accepted)
+        for proposals in bucket `key`."""
+        hits = self.hits.get(key, [0.0] * self.max_draft)
+        trials = self.trials.get(key, [0.0] * self.max_draft)
+        return [(h + ACCEPT_PRIOR_HITS) / (t + ACCEPT_PRIOR_TRIALS) for h, t in zip(hits, trials)]
 
-        return max(range(self.max_draft + 1), key=rate)
+    def best_gamma(self, key: Optional[int] = None, limit: Optional[int] = None) -> int:
+        """argmax_g E[committed](g) / (verify(g+1) + g * draft_per_token), over 0..min(limit, max_draft)."""
+        rates = self.rates(key)
+        top = self.max_draft if limit is None else min(limit, self.max_draft)
+
+        def rate(g):
+            return expected_committed(rates, g) / (self.curve(g + 1) + g * self.draft_per_token)
+
+        return max(range(top + 1), key=rate)
+
+    def _probe(self, gamma: int, available: int) -> int:
+        """Every PROBE_EVERY rounds without a draft, try a short one: estimates only move when drafts
+        are verified."""
+        if gamma > 0:
+            self.plain_rounds = 0
+            return gamma
+        self.plain_rounds += 1
+        if self.plain_rounds >= PROBE_EVERY:
+            self.plain_rounds = 0
+            return min(2, available)
+        return 0
 
     def __call__(self) -> int:
-        gamma = self.best_gamma()
-        if gamma == 0:
-            self.plain_rounds += 1
-            if self.plain_rounds >= PROBE_EVERY:  # estimates only move when drafts are tried
-                self.plain_rounds = 0
-                return min(2, self.max_draft)
-        return gamma
+        """The gamma to ask the drafter for this round."""
+        if self.free:
+            return self.max_draft
+        if self.draft_per_token is None:  # drafting cost unknown: try a short draft first
+            return min(2, self.max_draft)
+        return self._probe(self.best_gamma(), self.max_draft)
 
-    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """Update the estimates after a round that verified `proposed` draft tokens and kept `accepted`."""
-        for i in range(min(proposed, accepted + 1)):
-            hit = 1.0 if i < accepted else 0.0
-            self.rates[i] = ACCEPT_DECAY * self.rates[i] + (1 - ACCEPT_DECAY) * hit
-        if proposed:
+    def cut(self, draft) -> int:
+        """How many of a free drafter's proposed tokens to verify (a draft with .tokens and .key)."""
+        if not self.free:
+            return len(draft.tokens)
+        return self._probe(self.best_gamma(draft.key, len(draft.tokens)), len(draft.tokens))
+
+    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None) -> None:
+        """Update the estimates after a round that verified `proposed` draft tokens of bucket `key` and kept
+        `accepted`."""
+        hits = self.hits.setdefault(key, [0.0] * self.max_draft)
+        trials = self.trials.setdefault(key, [0.0] * self.max_draft)
+        for i in range(min(proposed, accepted + 1, self.max_draft)):
+            trials[i] = ACCEPT_DECAY * trials[i] + 1.0
+            hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
+        if proposed and not self.free:
             per_token = draft_s / proposed
             self.draft_per_token = (
-                per_token if self.draft_per_token == 0 else ACCEPT_DECAY * self.draft_per_token + (1 - ACCEPT_DECAY) * per_token
+                per_token if self.draft_per_token is None
+                else COST_DECAY * self.draft_per_token + (1 - COST_DECAY) * per_token
             )

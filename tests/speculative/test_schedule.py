@@ -56,7 +56,7 @@ def test_scheduler_picks_long_drafts_when_they_are_accepted_and_cheap():
 def test_scheduler_falls_back_to_plain_steps_and_probes():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.5 * (w - 1) for w in range(1, 10)}), max_draft=8)
     for _ in range(60):
-        s.observe(2, 0, 0.0, 1.0)  # every draft rejected at once
+        s.observe(2, 0, 0.01, 1.0)  # every draft rejected at once
     choices = [s() for _ in range(PROBE_EVERY)]
     assert choices[:-1] == [0] * (PROBE_EVERY - 1)
     assert choices[-1] == 2  # a probe every PROBE_EVERY plain rounds keeps the estimates fresh
@@ -65,7 +65,27 @@ def test_scheduler_falls_back_to_plain_steps_and_probes():
 def test_scheduler_counts_only_observed_positions():
     s = DraftScheduler(CostCurve({1: 1.0, 9: 1.0}), max_draft=4)
     s.observe(4, 1, 0.0, 1.0)  # position 0 accepted, 1 rejected, 2..3 never judged
-    assert s.rates[0] > 0.5 and s.rates[1] < 0.5 and s.rates[2] == s.rates[3] == 0.5
+    rates = s.rates()
+    assert rates[0] > 0.5 and rates[1] < 0.5 and rates[2] == rates[3] == 0.5
+
+
+def test_scheduler_learns_fast_from_rejections():
+    """A drafter that is always wrong is dropped after a few rounds, not after dozens."""
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 10)}), max_draft=8)
+    assert s() == 2  # drafting cost unknown: a short first draft
+    for _ in range(4):
+        s.observe(2, 0, 0.6, 1.0)  # rejected at once; each draft token costs 0.3 of a target forward
+    assert s.best_gamma() == 0
+
+
+def test_scheduler_weighs_drafting_cost():
+    """The same acceptance pays with a free drafter and not with one as slow as the target."""
+    curve = CostCurve({w: 1.0 for w in range(1, 10)})
+    cheap, slow = DraftScheduler(curve, 4), DraftScheduler(curve, 4)
+    for _ in range(20):
+        cheap.observe(4, 1, 0.0, 1.0)
+        slow.observe(4, 1, 4.0, 1.0)
+    assert cheap.best_gamma() >= 1 and slow.best_gamma() == 0
 
 
 def test_measure_cost_curve_times_every_width(make_tiny):
@@ -95,3 +115,17 @@ def test_candidate_skips_keep_first_and_last_layers():
     for n in (4, 12, 30):
         for skip in candidate_skips(n):
             assert skip and 0 not in skip and n - 1 not in skip and len(set(skip)) == len(skip)
+
+
+def test_free_drafter_asks_for_the_most_and_cuts_per_bucket():
+    """Lookup-like drafters: asked for max_draft; the proposal is cut by the acceptance of its bucket."""
+    from mlx_infer.speculative.drafters.base import Draft
+
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
+    assert s() == 8
+    for _ in range(30):
+        s.observe(8, 8, 0.0, 1.0, key=3)  # long matches: always accepted
+        s.observe(2, 0, 0.0, 1.0, key=1)  # one-token matches: always rejected
+    assert s.cut(Draft(list(range(8)), key=3)) == 8
+    assert s.cut(Draft(list(range(5)), key=3)) == 5
+    assert s.cut(Draft(list(range(8)), key=1)) == 0

@@ -14,10 +14,13 @@ class Draft:
         tokens: the draft tokens x_1..x_g (g >= 0; may be shorter than asked, or empty).
         q: [g, V] float32 probabilities the drafter sampled each token from, or None for a deterministic
             drafter (q one-hot at the token: lookup, greedy draft models).
+        key: a confidence bucket the drafter reports with the proposal (lookup: the matched n-gram length),
+            so that acceptance is estimated per bucket; None when the drafter has no such signal.
     """
 
     tokens: List[int]
     q: Optional[mx.array] = None
+    key: Optional[int] = None
 
 
 class Drafter:
@@ -30,6 +33,9 @@ class Drafter:
 
     #: the mode name reported in stats ("lookup", "draft", ...).
     name = "base"
+    #: proposing costs nothing (no model forward): max_draft="auto" then asks for the most and cuts the
+    #: proposal to the length worth verifying.
+    free = False
     #: True for drafters fed the target's hidden states (DFlash, DSpark): the loop then taps the target's
     #: decoder layers `target_layer_ids` and passes `hidden=` ([1, rows, n*H], committed positions only)
     #: to `begin` (the prompt head) and `update` (the anchor and the accepted drafts).

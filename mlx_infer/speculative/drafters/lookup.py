@@ -42,6 +42,7 @@ class LookupDrafter(Drafter):
     """
 
     name = "lookup"
+    free = True
 
     def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = LOOKUP_MIN_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
@@ -57,5 +58,5 @@ class LookupDrafter(Drafter):
             limit = -(-gamma * n // self.max_ngram)
             cont = find_continuation(ctx, n, limit)
             if cont.size:
-                return Draft([int(t) for t in cont])
+                return Draft([int(t) for t in cont], key=n)
         return Draft([])
