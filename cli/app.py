@@ -9,6 +9,7 @@ from .chat import chat
 from .convert import convert
 from .doctor import doctor
 from .generate import generate
+from .train import train_drafter
 
 app = typer.Typer(
     name="mlx-infer",
@@ -22,6 +23,7 @@ app.command(epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
 app.command()(doctor)
 app.command(epilog="Example: mlx-infer convert model.gguf ./model-mlx")(convert)
 app.command(epilog="Example: mlx-infer bench --spec off --spec lookup -n 64")(bench)
+app.command("train-drafter", epilog="Example: mlx-infer train-drafter --kind dflash --data prompts.txt --out my-drafter")(train_drafter)
 
 
 def version_callback(value: bool) -> None:
