@@ -10,13 +10,14 @@ import sys
 from typing import Annotated, List, Optional
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from mlx_infer.errors import MlxInferError
 
 from .errors import user_errors
 from .options import MaxDraftOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, spec_kwargs
-from .progress import load_engine, stderr
+from .progress import load_engine
 
 DEFAULT_PROMPT = ("Repeat this list, then add two more fruits to it: apples, bananas, cherries, dates, "
                   "elderberries, figs, grapes.")
@@ -72,11 +73,11 @@ def bench(
             sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
                                          "trials": trials, "rows": rows}) + "\n")
             return
-        table = Table(title=f"{engine.source.name} ({engine.source.weights} weights), {trials} trials, median")
+        table = Table(title=f"{engine.source.name} ({engine.source.weights} weights), median of {trials}")
         for col in ("mode (used)", "TTFT s", "prefill tok/s", "decode tok/s", "tau", f"vs {modes[0]}", "same output"):
             table.add_column(col, justify="left" if col.startswith("mode") else "right")
         for r in rows:
             table.add_row(f"{r['mode']} ({r['used']})", f"{r['ttft_s']:.3f}", f"{r['prefill_tps']:.1f}",
                           f"{r['decode_tps']:.1f}", f"{r['tau']:.2f}", f"{r['speed_vs_first']:.2f}x",
                           "yes" if r["identical"] else "NO")
-        stderr.print(table)
+        Console(highlight=False).print(table)

@@ -16,7 +16,7 @@ from mlx_infer.errors import MlxInferError
 from .errors import fail, report, user_errors
 from .generate import stream_to_stdout
 from .options import (
-    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, Spec, SpecOpt,
+    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
     spec_kwargs,
 )
@@ -111,6 +111,9 @@ class ChatSession:
             if command in ("/help", "/?"):
                 stderr.print(HELP)
                 continue
+            if command.startswith("/") and " " not in command:
+                stderr.print(f"[dim]unknown command {command}; {HELP}[/dim]")
+                continue
             try:
                 self.answer(line)
             except KeyboardInterrupt:
@@ -139,7 +142,7 @@ def chat(
     stop: StopOpt = None,
     system: SystemOpt = None,
     weights: WeightsOpt = Weights.auto,
-    spec: SpecOpt = Spec.auto,
+    spec: SpecOpt = "auto",
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
     stats: bool = typer.Option(False, "--stats", help="Print stats of each answer to stderr."),

@@ -8,7 +8,7 @@ import typer
 
 from .errors import fail, user_errors
 from .options import (
-    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, Spec, SpecOpt,
+    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
     spec_kwargs,
 )
@@ -42,7 +42,7 @@ def generate(
     no_chat_template: Annotated[bool, typer.Option(
         "--no-chat-template", help="Send the prompt as raw text, without the model's chat template.")] = False,
     weights: WeightsOpt = Weights.auto,
-    spec: SpecOpt = Spec.auto,
+    spec: SpecOpt = "auto",
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
     as_json: Annotated[bool, typer.Option(

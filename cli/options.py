@@ -46,13 +46,14 @@ SeedOpt = Annotated[Optional[int], typer.Option(
 RepetitionPenaltyOpt = Annotated[float, typer.Option(
     "--repetition-penalty", rich_help_panel=SAMPLING, help="Penalty > 0 for recently generated tokens; 1 is off.")]
 StopOpt = Annotated[Optional[List[str]], typer.Option(
-    "--stop", rich_help_panel=SAMPLING, help="Stop when this string appears (not printed). Repeatable.")]
+    "--stop", rich_help_panel=SAMPLING,
+    help="Stop when this string appears (not printed); \\n and \\t are newline and tab. Repeatable.")]
 SystemOpt = Annotated[Optional[str], typer.Option(
     "--system", "-s", help="System prompt (needs the model's chat template).")]
-#: --spec choices: mlx_infer.speculative.MODES.
+#: --spec choices: mlx_infer.speculative.MODES (checked by spec_kwargs, for a one-line error).
 Spec = Enum("Spec", {m: m for m in MODES}, type=str)
-SpecOpt = Annotated[Spec, typer.Option(
-    "--spec", case_sensitive=False, rich_help_panel=SPEC,
+SpecOpt = Annotated[str, typer.Option(
+    "--spec", metavar="|".join(MODES), rich_help_panel=SPEC,
     help="Drafter for lossless speculative decoding (same output as plain decoding, faster when drafts are "
          "accepted): auto picks the best available and falls back to plain decoding where verifying several "
          "tokens costs as much as decoding them; off is plain decoding.")]
@@ -83,10 +84,25 @@ def sampling_params(
     try:
         return SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-            repetition_penalty=repetition_penalty, max_tokens=max_tokens, stop=tuple(stop or ()),
+            repetition_penalty=repetition_penalty, max_tokens=max_tokens,
+            stop=tuple(unescape(s) for s in stop or ()),
         )
     except MlxInferError as e:
         raise MlxInferError(_as_flag(str(e))) from e
+
+
+def unescape(text: str) -> str:
+    r"""Turn the escapes a shell passes through literally (\n, \t, \\) into the characters, as llama.cpp
+    does for its stop strings: `--stop "\n\n"` stops at a blank line."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def _as_flag(message: str) -> str:
@@ -108,7 +124,9 @@ def spec_kwargs(spec, draft_model: Optional[str], max_draft: str) -> dict:
         if value < 0:
             raise MlxInferError(f"--max-draft must be 'auto' or an integer >= 0, got {max_draft!r}")
     check_max_draft(value)
-    mode = spec.value if isinstance(spec, Enum) else str(spec)
+    mode = (spec.value if isinstance(spec, Enum) else str(spec)).strip().lower()
+    if mode not in MODES:
+        raise MlxInferError(f"--spec must be one of {', '.join(MODES)}, got {spec!r}")
     if mode == "draft" and not draft_model:
         raise MlxInferError("--spec draft needs --draft-model MODEL (a smaller model with the same tokenizer)")
     return {"speculative": mode, "draft_model": draft_model, "max_draft": value}

@@ -74,7 +74,7 @@ def open_gguf(path: Path):
         reader = GGUFReader(str(path))
     except Exception as e:  # the reader raises many types on bad input
         raise InvalidGGUFError(
-            f"{path} is truncated or corrupt ({type(e).__name__}: {e}); re-download it"
+            f"{path} is truncated or corrupt (its header or tensor table cannot be read); re-download it"
         ) from e
     size = path.stat().st_size
     for t in reader.tensors:
@@ -279,6 +279,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = Non
         tokenizer.save_pretrained(str(tmp))
         if out_dir.exists():
             out_dir.rmdir()
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -89,3 +89,15 @@ def test_prompt_longer_than_the_context_window(run_cli):
     proc = run_cli("generate", "-", "-n", "4", input="word " * 9000)
     line = assert_user_error(proc, "context window")
     assert "8192" in line
+
+
+def test_unknown_spec_mode_is_a_one_line_error(run_cli):
+    assert_user_error(run_cli("generate", "hi", "--spec", "nonsense"), "--spec must be one of")
+
+
+def test_stop_flag_understands_backslash_escapes():
+    from mlx_infer.cli.options import unescape
+
+    assert unescape(r"\n\n") == "\n\n"
+    assert unescape(r"a\tb\\n") == "a\tb\\n"
+    assert unescape("plain") == "plain"
