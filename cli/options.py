@@ -50,8 +50,8 @@ StopOpt = Annotated[Optional[List[str]], typer.Option(
     help="Stop when this string appears (not printed); \\n and \\t are newline and tab. Repeatable.")]
 SystemOpt = Annotated[Optional[str], typer.Option(
     "--system", "-s", help="System prompt (needs the model's chat template).")]
-#: --spec choices: mlx_infer.speculative.MODES (checked by spec_kwargs, for a one-line error).
-Spec = Enum("Spec", {m: m for m in MODES}, type=str)
+#: --spec is a plain string checked by spec_kwargs against mlx_infer.speculative.MODES, so that a bad
+#: value gets the one-line error rather than typer's usage box.
 SpecOpt = Annotated[str, typer.Option(
     "--spec", metavar="|".join(MODES), rich_help_panel=SPEC,
     help="Drafter for lossless speculative decoding (same output as plain decoding, faster when drafts are "
@@ -113,7 +113,7 @@ def _as_flag(message: str) -> str:
     return message
 
 
-def spec_kwargs(spec, draft_model: Optional[str], max_draft: str) -> dict:
+def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
     """Engine.stream_steps keyword arguments from the speculative flags; raises MlxInferError when bad."""
     value = max_draft.strip().lower()
     if value != "auto":
@@ -124,7 +124,7 @@ def spec_kwargs(spec, draft_model: Optional[str], max_draft: str) -> dict:
         if value < 0:
             raise MlxInferError(f"--max-draft must be 'auto' or an integer >= 0, got {max_draft!r}")
     check_max_draft(value)
-    mode = (spec.value if isinstance(spec, Enum) else str(spec)).strip().lower()
+    mode = spec.strip().lower()
     if mode not in MODES:
         raise MlxInferError(f"--spec must be one of {', '.join(MODES)}, got {spec!r}")
     if mode == "draft" and not draft_model:
