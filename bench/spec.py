@@ -5,13 +5,16 @@ For each prompt set in bench/prompts/ (chat, code, math, copy-heavy editing) and
 
   plain (mlx-infer)      Engine.generate, speculative="off"
   plain (mlx-lm)         mlx_lm.stream_generate
-  lookup / draft / layerskip / auto   Engine.generate with that drafter, max_draft auto (or --max-draft N)
+  lookup / draft / layerskip / dflash / dspark / auto
+                         Engine.generate with that drafter, max_draft auto (or --max-draft N); dflash and
+                         dspark use the drafter registered for the target (models/registry.json)
   mlx-lm speculative     mlx_lm.stream_generate(draft_model=...) with the same draft model
   mlx-dspark lookup      mlx_dspark's lookup_generate, when the package imports
 
 Reported per set and temperature: tokens/s (generated tokens / wall time of the request, prefill
-included), speedup over our plain decoding, tau (committed tokens per target forward) and, greedy only,
-whether every output is token-identical to plain decoding.
+included), speedup over our plain decoding, tau (committed tokens per target forward), the per-position
+acceptance of the drafts (in the JSON) and, greedy only, whether every output is token-identical to plain
+decoding.
 
 The draft model is cut from the target (its first --draft-layers layers + final norm + head); no
 smaller sibling of the default model exists here.
@@ -40,12 +43,19 @@ def load_prompts(name: str, limit: int) -> list:
     return [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
 
 
+def mean_by_position(lists: list) -> list:
+    """Mean of each position over the lists that reach it (per-position acceptance over prompts)."""
+    width = max((len(x) for x in lists), default=0)
+    cols = [[x[i] for x in lists if len(x) > i] for i in range(width)]
+    return [round(sum(c) / len(c), 3) for c in cols]
+
+
 def ours(engine, mode, draft_dir, max_draft):
     def run(prompt_ids, temp, max_tokens, seed):
         r = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temp, seed=seed, speculative=mode,
                             draft_model=str(draft_dir) if mode in ("draft",) else None, max_draft=max_draft)
         return {"tokens": r.token_ids, "seconds": r.stats.total_s, "tau": r.stats.tau if mode != "off" else 1.0,
-                "spec_mode": r.stats.spec_mode}
+                "spec_mode": r.stats.spec_mode, "acceptance": r.stats.acceptance or []}
 
     return run
 
@@ -117,7 +127,7 @@ def main():
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--max-draft", default="auto", help="'auto' or an int")
-    ap.add_argument("--modes", default="lookup,draft,layerskip,auto")
+    ap.add_argument("--modes", default="lookup,draft,layerskip,dflash,auto")
     args = ap.parse_args()
     max_draft = args.max_draft if args.max_draft == "auto" else int(args.max_draft)
 
@@ -146,7 +156,8 @@ def main():
     results = {}
     for temp in [float(t) for t in args.temps.split(",")]:
         for set_name in args.sets.split(","):
-            rows = {name: {"tokens": 0, "seconds": 0.0, "taus": [], "identical": True, "modes": set()} for name in systems}
+            rows = {name: {"tokens": 0, "seconds": 0.0, "taus": [], "identical": True, "modes": set(), "acc": []}
+                    for name in systems}
             for i, prompt in enumerate(load_prompts(set_name, args.limit)):
                 prompt_ids = engine.encode(prompt)
                 reference = None
@@ -157,6 +168,7 @@ def main():
                     row["seconds"] += out["seconds"]
                     row["taus"].append(out["tau"])
                     row["modes"].add(out.get("spec_mode") or "")
+                    row["acc"].append(out.get("acceptance") or [])
                     if reference is None:
                         reference = out["tokens"]
                     elif temp == 0 and out["tokens"] != reference:
@@ -168,6 +180,7 @@ def main():
                     "tokens_per_s": tps, "speedup": tps / base, "tau": sum(row["taus"]) / len(row["taus"]),
                     "identical_to_plain": row["identical"] if temp == 0 else None,
                     "spec_modes_used": sorted(m for m in row["modes"] if m),
+                    "acceptance": mean_by_position(row["acc"]),
                 }
 
     info = machine()

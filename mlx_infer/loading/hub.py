@@ -34,8 +34,8 @@ def local_model_dir(path: Path) -> Path:
     return path
 
 
-def download_repo(repo_id: str, revision: str = None) -> Path:
-    """The local snapshot of a Hugging Face repo, downloading what is missing.
+def download_repo(repo_id: str, revision: str = None, local_only: bool = False) -> Path:
+    """The local snapshot of a Hugging Face repo, downloading what is missing (never when local_only).
 
     Raises:
         ModelNotFoundError: offline and not cached, or no such repo.
@@ -48,7 +48,7 @@ def download_repo(repo_id: str, revision: str = None) -> Path:
         RepositoryNotFoundError,
     )
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    offline = local_only or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         path = snapshot_download(
             repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=offline

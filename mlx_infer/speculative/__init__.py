@@ -40,8 +40,9 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
     """The drafter for a mode.
 
     Args:
-        mode: "lookup", "draft", "layerskip" (arXiv 2309.08168) or "auto" (a draft model when one is given,
-            else lookup: no trained drafter is registered yet).
+        mode: "lookup", "draft", "layerskip" (arXiv 2309.08168), "dflash", "dspark" or "auto" (a draft model
+            when one is given, else the target's registered drafter (registry.py) when it is available
+            locally, else lookup).
         engine: the target Engine (its tokenizer is checked against a draft model's).
         draft_model: for "draft": a model path / repo id (str), an Engine, or an mlx-lm nn.Module that shares
             the target's tokenizer (trusted as is). For "dflash" / "dspark": a drafter directory or repo id,
@@ -52,7 +53,11 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
     """
     if mode not in MODES or mode == "off":
         raise MlxInferError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode in ("lookup", "auto") and draft_model is None:
+    if mode == "auto" and draft_model is None:
+        from .registry import registered_drafter
+
+        return registered_drafter(engine) or LookupDrafter()
+    if mode == "lookup" and draft_model is None:
         return LookupDrafter()
     if mode == "layerskip":
         from .drafters.layerskip import LayerSkipDrafter, cached_skip_set
@@ -97,14 +102,16 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
         except MlxInferError:  # "auto" never fails: a cache that cannot roll back decodes plainly
             stats.mode = "off"
             return plain_tokens(engine.model, prompt_ids, params, max_tokens)
-    if max_draft == "auto" and hasattr(drafter, "max_draft"):
-        max_draft = drafter.max_draft  # block drafters: one block per round (DSpark cuts it by confidence)
+    block = getattr(drafter, "max_draft", None)  # block drafters: at most one block per round
+    if max_draft == "auto" and getattr(drafter, "schedule", None) is not None:
+        max_draft = block  # DSpark: its confidence schedule cuts the block
     if max_draft != "auto":
         return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, max_draft, stats)
-    curve = cost_curve(engine, DEFAULT_MAX_DRAFT + 1)
-    if not speculation_pays(curve, DEFAULT_MAX_DRAFT):
+    limit = block or DEFAULT_MAX_DRAFT
+    curve = cost_curve(engine, limit + 1)
+    if not speculation_pays(curve, limit):
         stats.mode = "off"  # verifying several tokens costs as much as decoding them one by one here
         return plain_tokens(engine.model, prompt_ids, params, max_tokens)
-    scheduler = DraftScheduler(curve, DEFAULT_MAX_DRAFT, free=drafter.free)
+    scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=block is not None)
     return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
                               observe=scheduler.observe)

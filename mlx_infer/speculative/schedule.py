@@ -9,7 +9,10 @@ So, once per model and machine, the cost of one target forward is measured as a 
 running estimate of the conditional acceptance rate of each draft position and the drafting cost per
 token, and picks each round the gamma that maximizes expected committed tokens per second:
 
-    E[committed](g) = 1 + sum_{j=1..g} prod_{i<=j} a_i,     time(g) = verify(g + 1) + g * draft_per_token
+    E[committed](g) = 1 + sum_{j=1..g} prod_{i<=j} a_i,     time(g) = verify(g + 1) + drafting(g)
+
+drafting(g) is g * (seconds per draft token) for a draft model, one drafter pass for a block drafter
+(DFlash drafts its whole block in one forward, whatever g), and 0 for prompt lookup.
 
 gamma = 0 is a plain decoding step. When even a fully accepted draft cannot beat plain decoding on
 this curve, `speculation_pays` is false and the Engine decodes plainly (no speculative overhead).
@@ -160,17 +163,21 @@ class DraftScheduler:
         curve: the target's CostCurve.
         max_draft: the largest gamma to consider.
         free: the drafter proposes at no cost (see above).
+        per_round: drafting costs one pass per round whatever gamma (block drafters), not one per token.
     """
 
-    def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT, free: bool = False):
+    def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT, free: bool = False,
+                 per_round: bool = False):
         self.curve = curve
         self.max_draft = max_draft
         self.free = free
+        self.per_round = per_round
         # Per bucket, discounted counts per position i: rounds that judged draft token i (its predecessors
         # accepted), and how many of those accepted it.
         self.hits: Dict[Optional[int], List[float]] = {}
         self.trials: Dict[Optional[int], List[float]] = {}
-        self.draft_per_token = 0.0 if free else None  # seconds per draft token (EMA); None = unknown yet
+        # seconds per draft token, or per drafting pass when per_round (EMA); None = unknown yet
+        self.draft_cost = 0.0 if free else None
         self.plain_rounds = 0
 
     def rates(self, key: Optional[int] = None) -> List[float]:
@@ -181,12 +188,13 @@ class DraftScheduler:
         return [(h + ACCEPT_PRIOR_HITS) / (t + ACCEPT_PRIOR_TRIALS) for h, t in zip(hits, trials)]
 
     def best_gamma(self, key: Optional[int] = None, limit: Optional[int] = None) -> int:
-        """argmax_g E[committed](g) / (verify(g+1) + g * draft_per_token), over 0..min(limit, max_draft)."""
+        """argmax_g E[committed](g) / (verify(g+1) + drafting(g)), over 0..min(limit, max_draft)."""
         rates = self.rates(key)
         top = self.max_draft if limit is None else min(limit, self.max_draft)
 
         def rate(g):
-            return expected_committed(rates, g) / (self.curve(g + 1) + g * self.draft_per_token)
+            drafting = (self.draft_cost if g else 0.0) if self.per_round else g * self.draft_cost
+            return expected_committed(rates, g) / (self.curve(g + 1) + drafting)
 
         return max(range(top + 1), key=rate)
 
@@ -206,8 +214,8 @@ class DraftScheduler:
         """The gamma to ask the drafter for this round."""
         if self.free:
             return self.max_draft
-        if self.draft_per_token is None:  # drafting cost unknown: try a short draft first
-            return min(2, self.max_draft)
+        if self.draft_cost is None:  # drafting cost unknown: try a draft first
+            return self.max_draft if self.per_round else min(2, self.max_draft)
         return self._probe(self.best_gamma(), self.max_draft)
 
     def cut(self, draft) -> int:
@@ -225,8 +233,7 @@ class DraftScheduler:
             trials[i] = ACCEPT_DECAY * trials[i] + 1.0
             hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
         if proposed and not self.free:
-            per_token = draft_s / proposed
-            self.draft_per_token = (
-                per_token if self.draft_per_token is None
-                else COST_DECAY * self.draft_per_token + (1 - COST_DECAY) * per_token
+            sample = draft_s if self.per_round else draft_s / proposed
+            self.draft_cost = (
+                sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample
             )

@@ -139,33 +139,59 @@ def read_prompts(path: Union[str, Path], max_chars: int = 600) -> List[Prompt]:
 
 
 def regenerate(engine, prompts: Sequence[Prompt], max_tokens: int,
-               progress: Optional[Callable[[int, int], None]] = None) -> List[TrainSequence]:
+               progress: Optional[Callable[[int, int], None]] = None, batch_size: int = 32) -> List[TrainSequence]:
     """The target's own greedy answers to `prompts`, as training sequences.
+
+    The prompts are answered `batch_size` at a time by mlx-lm's BatchGenerator (left-padded batches; on the
+    CPU backend a 32-row step costs a few times a 1-row one, so this is several times faster than one by one).
 
     Args:
         engine: the target Engine (its chat template is applied to string prompts).
         prompts: from `read_prompts`.
         max_tokens: most response tokens per prompt.
-        progress: called with (done, total) after each prompt.
+        progress: called with (done, total) as answers finish.
+        batch_size: answers generated together.
 
     Returns:
-        One TrainSequence per prompt whose answer is not empty (EOS appended when the answer ended by it).
+        One TrainSequence per prompt whose answer is not empty, in prompt order (EOS appended when the answer
+        ended by it).
 
     Raises:
         MlxInferError: a prompt the engine refuses (e.g. longer than the context window).
     """
-    eos = list(engine.tokenizer.eos_token_ids)
+    from mlx_lm.generate import BatchGenerator
+
+    eos = [int(t) for t in engine.tokenizer.eos_token_ids]
+    ids = [[int(t) for t in engine.encode(p)] for p in prompts]
+    limit = engine.context_length
+    for n, row in enumerate(ids):
+        if len(row) + max_tokens > limit:
+            raise MlxInferError(f"prompt {n + 1} has {len(row)} tokens, more than the context window ({limit})")
+    answers = {}
+    done = 0
+    for first in range(0, len(ids), batch_size):
+        chunk = ids[first:first + batch_size]
+        gen = BatchGenerator(engine.model, stop_tokens=[[t] for t in eos], completion_batch_size=batch_size,
+                             prefill_batch_size=min(batch_size, 8))
+        uids = gen.insert(chunk, [max_tokens] * len(chunk))
+        where = {uid: first + i for i, uid in enumerate(uids)}
+        tokens = {uid: [] for uid in uids}
+        try:
+            while responses := gen.next_generated():
+                for r in responses:
+                    tokens[r.uid].append(int(r.token))  # a stopping EOS included, as the speculative loop sees it
+                    if r.finish_reason is not None:
+                        answers[where[r.uid]] = tokens[r.uid]
+                        done += 1
+                        if progress:
+                            progress(done, len(ids))
+        finally:
+            gen.close()
     out = []
-    for i, prompt in enumerate(prompts):
-        ids = engine.encode(prompt)
-        result = engine.generate(ids, max_tokens=max_tokens, temperature=0.0)
-        response = list(result.token_ids)
-        if result.finish_reason == "stop" and eos:
-            response.append(int(eos[0]))
-        if response:
-            out.append(TrainSequence([int(t) for t in ids] + [int(t) for t in response], len(ids)))
-        if progress:
-            progress(i + 1, len(prompts))
+    for n, row in enumerate(ids):
+        response = answers.get(n, [])
+        if response and not (len(response) == 1 and response[0] in eos):
+            out.append(TrainSequence(row + response, len(row)))
     return out
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: What a build needs from the source tree (copied, so the shared checkout gets no build/ dir).
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "mlx_infer", "cli")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "mlx_infer", "cli", "models")
 
 
 def build_wheel(tmp_path: Path) -> Path:
@@ -51,6 +51,11 @@ def test_wheel_contents_and_entry_point(tmp_path):
     sources = {f"mlx_infer/{p.relative_to(REPO / 'mlx_infer').as_posix()}" for p in (REPO / "mlx_infer").rglob("*.py")}
     sources |= {f"mlx_infer/cli/{p.relative_to(REPO / 'cli').as_posix()}" for p in (REPO / "cli").rglob("*.py")}
     assert sorted(sources - set(names)) == []
+    # The drafter registry and the shipped drafters, as mlx_infer/models (registry.py reads them there).
+    assert "mlx_infer/models/registry.json" in names
+    for drafter in (p.parent for p in (REPO / "models").glob("*/config.json")):
+        for part in ("config.json", "model.safetensors"):
+            assert f"mlx_infer/models/{drafter.name}/{part}" in names, (drafter.name, part)
     assert "[console_scripts]" in entry_points
     assert "mlx-infer = mlx_infer.cli.app:main" in entry_points
 

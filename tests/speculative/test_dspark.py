@@ -138,11 +138,12 @@ def test_sampling_same_distribution(small, exact, schedule):  # noqa: F811
 
 def test_make_drafter_modes(tmp_path, target):
     assert "dflash" in MODES and "dspark" in MODES
-    engine = SimpleNamespace(model=target)
+    src = SimpleNamespace(name="tiny", path=tmp_path / "tiny", mlx_dir=tmp_path / "tiny")
+    engine = SimpleNamespace(model=target, source=src)
     save_dflash_model(random_dflash(seed=3), tmp_path)
     d = make_drafter("dflash", engine, str(tmp_path))
     assert isinstance(d, DFlashDrafter) and d.max_draft == 3 and d.target_layer_ids == [0, 1]
     ready = DSparkDrafter(random_dspark(seed=4), target)
     assert make_drafter("dspark", engine, ready) is ready
-    with pytest.raises(MlxInferError, match="needs draft_model"):
-        make_drafter("dflash", engine, None)
+    with pytest.raises(MlxInferError, match="no dflash drafter is known for this model; pass --draft-model"):
+        make_drafter("dflash", engine, None)  # nothing registered for "tiny"

@@ -129,3 +129,17 @@ def test_free_drafter_asks_for_the_most_and_cuts_per_bucket():
     assert s.cut(Draft(list(range(8)), key=3)) == 8
     assert s.cut(Draft(list(range(5)), key=3)) == 5
     assert s.cut(Draft(list(range(8)), key=1)) == 0
+
+
+def test_block_drafter_cost_is_per_round():
+    """A block drafter's pass costs the same whatever gamma: good acceptance pays for the whole block, and
+    a drafter that is always wrong is dropped for plain steps."""
+    curve = CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 17)})
+    good, bad = DraftScheduler(curve, 15, per_round=True), DraftScheduler(curve, 15, per_round=True)
+    assert good() == 15  # cost unknown: the first round drafts a block
+    for _ in range(40):
+        good.observe(15, 15, 0.3, 1.0)
+        bad.observe(15, 0, 0.3, 1.0)
+    assert good.draft_cost == pytest.approx(0.3)  # seconds per pass, not per token
+    assert good() == 15
+    assert bad.best_gamma() == 0

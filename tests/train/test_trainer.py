@@ -101,3 +101,4 @@ def test_no_usable_sequence(target, train_seqs):
     short = [type(s)(s.tokens[: s.start + 2], s.start) for s in train_seqs[:3]]
     with pytest.raises(MlxInferError, match="long enough"):
         Trainer(target, short, settings("dflash"))
+

@@ -11,17 +11,24 @@ def block_drafter(mode: str, engine, source) -> Drafter:
     Args:
         mode: "dflash" or "dspark".
         engine: the target Engine (DSpark: its verify cost curve is measured once and cached on disk).
-        source: a drafter directory or HF repo id (str / Path), a DFlashModel / DSparkModel, or a ready
-            Drafter (returned as is).
+        source: a drafter directory or HF repo id (str / Path), a DFlashModel / DSparkModel, a ready
+            Drafter (returned as is), or None: the target's registered drafter of this kind (registry.py).
 
     Raises:
-        MlxInferError: no source, a malformed checkpoint, or a drafter that does not fit the target.
+        MlxInferError: no source and none registered, a malformed checkpoint, or a drafter that does not fit
+            the target.
     """
     from .dflash import DFlashDrafter, DFlashModel, load_dflash_model
     from .dspark import DSparkDrafter, DSparkModel, load_dspark_model
 
     if source is None:
-        raise MlxInferError(f"speculative='{mode}' needs draft_model= (a {mode} drafter directory or repo id)")
+        from ..registry import registered_drafter
+
+        drafter = registered_drafter(engine, kinds=(mode,))
+        if drafter is None:
+            raise MlxInferError(f"no {mode} drafter is known for this model; pass --draft-model "
+                                f"(a {mode} drafter directory or repo id; train one with mlx-infer train-drafter)")
+        return drafter
     if isinstance(source, Drafter):
         return source
     if mode == "dflash":
