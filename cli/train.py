@@ -119,7 +119,7 @@ def train_drafter(
                                  taps=parse_taps(taps), seqs_per_step=seqs_per_step, anchors=anchors,
                                  markov_rank=markov_rank, checkpoint_every=checkpoint_every, seed=seed)
         engine = load_engine(model, weights.value, verbose)
-        with TrainProgress(always=verbose) as bar:
+        with TrainProgress(always=True) as bar:  # a long job: plain progress lines in logs too
             report = run(engine, data, out, settings, max_response_tokens=max_response_tokens, heldout=heldout,
                          resume=resume, max_prompts=max_prompts, tau_tokens=tau_tokens,
                          save_dtype=getattr(mx, save_dtype.value) if save_dtype else None, status=bar.status,

@@ -19,6 +19,7 @@ from ..defaults import DEFAULT_MAX_DRAFT
 from ..errors import MlxInferError
 from ..generation.decode import plain_tokens
 from .drafters import Drafter, DraftModelDrafter, LookupDrafter, check_same_vocab, cut_draft_model
+from .drafters.hybrid import LookupThenBlock
 from .loop import SpecStats, check_rollback, speculative_tokens
 from .schedule import DraftScheduler, cost_curve, speculation_pays
 
@@ -41,8 +42,8 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
 
     Args:
         mode: "lookup", "draft", "layerskip" (arXiv 2309.08168), "dflash", "dspark" or "auto" (a draft model
-            when one is given, else the target's registered drafter (registry.py) when it is available
-            locally, else lookup).
+            when one is given; else lookup backed by the target's registered drafter (registry.py,
+            drafters/hybrid.py) when it is available locally; else lookup).
         engine: the target Engine (its tokenizer is checked against a draft model's).
         draft_model: for "draft": a model path / repo id (str), an Engine, or an mlx-lm nn.Module that shares
             the target's tokenizer (trusted as is). For "dflash" / "dspark": a drafter directory or repo id,
@@ -56,7 +57,8 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
     if mode == "auto" and draft_model is None:
         from .registry import registered_drafter
 
-        return registered_drafter(engine) or LookupDrafter()
+        block = registered_drafter(engine)
+        return LookupThenBlock(block) if block is not None else LookupDrafter()
     if mode == "lookup" and draft_model is None:
         return LookupDrafter()
     if mode == "layerskip":
@@ -113,5 +115,7 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
         stats.mode = "off"  # verifying several tokens costs as much as decoding them one by one here
         return plain_tokens(engine.model, prompt_ids, params, max_tokens)
     scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=block is not None)
+    if hasattr(drafter, "worth_drafting"):
+        drafter.worth_drafting = scheduler.worth
     return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
                               observe=scheduler.observe)

@@ -157,7 +157,9 @@ class DraftScheduler:
     A drafter that costs something to run (a draft model) gets its gamma before proposing. A free one
     (prompt lookup) is asked for max_draft tokens and `cut` keeps the prefix worth verifying, with
     acceptance estimated separately per confidence bucket the drafter reports (`Draft.key`: lookup's
-    matched n-gram length), the idea of DSpark's confidence-scheduled verification.
+    matched n-gram length), the idea of DSpark's confidence-scheduled verification. A free drafter with
+    a costly source (lookup, then a block drafter: drafters/hybrid.py) asks `worth(key)` before using it;
+    the cost of each bucket's proposals is measured per round.
 
     Args:
         curve: the target's CostCurve.
@@ -178,6 +180,8 @@ class DraftScheduler:
         self.trials: Dict[Optional[int], List[float]] = {}
         # seconds per draft token, or per drafting pass when per_round (EMA); None = unknown yet
         self.draft_cost = 0.0 if free else None
+        self.key_costs: Dict[Optional[int], float] = {}  # free mode: seconds per proposal, per bucket (EMA)
+        self.skipped: Dict[Optional[int], int] = {}  # free mode: rounds each bucket was judged not worth it
         self.plain_rounds = 0
 
     def rates(self, key: Optional[int] = None) -> List[float]:
@@ -187,14 +191,22 @@ class DraftScheduler:
         trials = self.trials.get(key, [0.0] * self.max_draft)
         return [(h + ACCEPT_PRIOR_HITS) / (t + ACCEPT_PRIOR_TRIALS) for h, t in zip(hits, trials)]
 
-    def best_gamma(self, key: Optional[int] = None, limit: Optional[int] = None) -> int:
-        """argmax_g E[committed](g) / (verify(g+1) + drafting(g)), over 0..min(limit, max_draft)."""
+    def _drafting(self, g: int, key: Optional[int]) -> float:
+        """Seconds of drafting a round of gamma g costs (free mode: the bucket's cost per proposal)."""
+        if g == 0:
+            return 0.0
+        if self.free:
+            return self.key_costs.get(key, 0.0)
+        return self.draft_cost if self.per_round else g * self.draft_cost
+
+    def best_gamma(self, key: Optional[int] = None, limit: Optional[int] = None, sunk: bool = False) -> int:
+        """argmax_g E[committed](g) / (verify(g+1) + drafting(g)), over 0..min(limit, max_draft).
+        sunk: the proposal is already made (its drafting cost is not counted)."""
         rates = self.rates(key)
         top = self.max_draft if limit is None else min(limit, self.max_draft)
 
         def rate(g):
-            drafting = (self.draft_cost if g else 0.0) if self.per_round else g * self.draft_cost
-            return expected_committed(rates, g) / (self.curve(g + 1) + drafting)
+            return expected_committed(rates, g) / (self.curve(g + 1) + (0.0 if sunk else self._drafting(g, key)))
 
         return max(range(top + 1), key=rate)
 
@@ -222,7 +234,20 @@ class DraftScheduler:
         """How many of a free drafter's proposed tokens to verify (a draft with .tokens and .key)."""
         if not self.free:
             return len(draft.tokens)
-        return self._probe(self.best_gamma(draft.key, len(draft.tokens)), len(draft.tokens))
+        return self._probe(self.best_gamma(draft.key, len(draft.tokens), sunk=True), len(draft.tokens))
+
+    def worth(self, key: Optional[int]) -> bool:
+        """Free mode: whether proposing from bucket `key` pays for its drafting cost this round; a bucket
+        judged not worth it is tried again after PROBE_EVERY rounds (estimates only move when drafts are
+        verified)."""
+        if self.best_gamma(key) > 0:
+            self.skipped[key] = 0
+            return True
+        self.skipped[key] = self.skipped.get(key, 0) + 1
+        if self.skipped[key] >= PROBE_EVERY:
+            self.skipped[key] = 0
+            return True
+        return False
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None) -> None:
         """Update the estimates after a round that verified `proposed` draft tokens of bucket `key` and kept
@@ -232,7 +257,10 @@ class DraftScheduler:
         for i in range(min(proposed, accepted + 1, self.max_draft)):
             trials[i] = ACCEPT_DECAY * trials[i] + 1.0
             hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
-        if proposed and not self.free:
+        if proposed and self.free:
+            old = self.key_costs.get(key)
+            self.key_costs[key] = draft_s if old is None else COST_DECAY * old + (1 - COST_DECAY) * draft_s
+        elif proposed:
             sample = draft_s if self.per_round else draft_s / proposed
             self.draft_cost = (
                 sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample

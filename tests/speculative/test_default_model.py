@@ -59,3 +59,21 @@ def test_draft_model_cut_from_target(engine, tmp_path):
     spec = engine.generate(prompt, max_tokens=16, speculative="draft", draft_model=str(out), max_draft=3)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.spec_mode == "draft"
+
+
+@pytest.mark.parametrize("max_draft", [2, 7])
+def test_shipped_dflash_drafter_equals_plain(engine, max_draft):
+    """The DFlash drafter shipped for the default model (models/, picked from the registry with no
+    draft_model) drafts losslessly, greedy, with the block cut to max_draft."""
+    prompt = PROMPTS[1]
+    plain = engine.generate(prompt, max_tokens=16)
+    spec = engine.generate(prompt, max_tokens=16, speculative="dflash", max_draft=max_draft)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+    assert spec.stats.spec_mode == "dflash" and spec.stats.rounds > 0
+    assert len(spec.stats.acceptance) == max_draft
+
+
+def test_auto_uses_the_registered_drafter(engine):
+    spec = engine.generate(PROMPTS[1], max_tokens=8, speculative="auto", max_draft=3)
+    plain = engine.generate(PROMPTS[1], max_tokens=8)
+    assert spec.stats.spec_mode == "lookup+dflash" and spec.token_ids == plain.token_ids

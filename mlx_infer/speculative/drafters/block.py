@@ -66,6 +66,10 @@ class BlockDrafter(Drafter):
         self.mask_token_id = int(model.mask_token_id)
         self.target_layer_ids = list(model.target_layer_ids)
         self.act_dtype = embed(mx.array([0])).dtype  # what the head expects
+        if self.act_dtype == mx.float32 and model.fc.weight.dtype != mx.float32:
+            # a half-precision drafter next to a float32 target (the CPU fast path, where half-precision
+            # matmuls do not go through the optimized BLAS): run it in float32 too (cast in place)
+            model.set_dtype(mx.float32)
         self.params = None
         self.cache = model.make_cache()
         self.pending: List[mx.array] = []  # [1, C, n*H] feature rows not yet in the cache

@@ -1,0 +1,53 @@
+"""auto with a trained drafter: lookup where the context repeats, the block drafter elsewhere, each
+source's acceptance and cost learned in its own bucket; greedy output identical to plain decoding."""
+
+import pytest
+from block_drafters import random_dflash
+from test_dflash import prompts
+
+from mlx_infer.generation.decode import plain_tokens
+from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.speculative import SpecStats, speculative_tokens
+from mlx_infer.speculative.drafters.base import Draft
+from mlx_infer.speculative.drafters.dflash import DFlashDrafter
+from mlx_infer.speculative.drafters.hybrid import BLOCK_KEY, LookupThenBlock
+from mlx_infer.speculative.schedule import PROBE_EVERY, CostCurve, DraftScheduler
+
+
+@pytest.mark.parametrize("vocab", [64, 8])
+def test_greedy_identical_and_both_sources_used(make_tiny, vocab):
+    target = make_tiny(seed=1, vocab=vocab, scale=3.0)
+    model = random_dflash(seed=5, vocab=vocab, block=5)
+    used = set()
+    for p in prompts(vocab, 12):
+        base = list(plain_tokens(target, p, SamplingParams(), 24))
+        drafter = LookupThenBlock(DFlashDrafter(model, target))
+        scheduler = DraftScheduler(CostCurve({w: 1.0 for w in range(1, 9)}), drafter.max_draft, free=True)
+        drafter.worth_drafting = scheduler.worth
+        keys = []
+        stats = SpecStats()
+
+        def observe(g, n, draft_s, verify_s, key=None):
+            keys.append(key)
+            scheduler.observe(g, n, draft_s, verify_s, key=key)
+
+        out = list(speculative_tokens(target, p, SamplingParams(), 24, drafter, scheduler, stats, observe=observe))
+        assert out == base, p
+        assert stats.mode == "lookup+dflash"
+        used |= {"block" if k == BLOCK_KEY else "lookup" for k in keys if k is not None}
+    assert used == {"block", "lookup"}
+
+
+def test_costly_bucket_is_skipped_then_probed():
+    """A bucket whose drafts are rejected and whose pass costs a verify's worth stops being drafted from;
+    it is tried again every PROBE_EVERY rounds. A free, accurate bucket stays worth it."""
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 9)}), 7, free=True)
+    for _ in range(20):
+        s.observe(7, 0, 0.5, 1.0, key=BLOCK_KEY)
+        s.observe(7, 7, 0.0, 1.0, key=3)
+    assert s.key_costs[BLOCK_KEY] == pytest.approx(0.5, rel=0.05)
+    assert s.worth(3)
+    decisions = [s.worth(BLOCK_KEY) for _ in range(PROBE_EVERY)]
+    assert decisions == [False] * (PROBE_EVERY - 1) + [True]
+    # once proposed, the cost is sunk: cut judges the proposal on acceptance alone
+    assert s.cut(Draft(list(range(7)), key=3)) == 7
