@@ -20,7 +20,7 @@ from .options import (
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
     spec_kwargs,
 )
-from .progress import isatty, load_engine, stderr
+from .progress import isatty, load_engine, prepare_speculation, stderr
 from .stats import print_stats
 
 PROMPT = ">>> "
@@ -159,4 +159,5 @@ def chat(
         if not engine.tokenizer.has_chat_template:
             raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
                        "use `mlx-infer generate --no-chat-template` with it")
+        prepare_speculation(engine, speculative)
         ChatSession(engine, params, system, stats, verbose, interactive=isatty(), speculative=speculative).run()

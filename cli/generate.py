@@ -12,7 +12,7 @@ from .options import (
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
     spec_kwargs,
 )
-from .progress import load_engine
+from .progress import load_engine, prepare_speculation
 from .stats import print_stats
 
 
@@ -61,6 +61,7 @@ def generate(
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)
         engine = load_engine(model, weights.value, verbose)
+        prepare_speculation(engine, speculative)
         kwargs = dict(system=system, chat_template=not no_chat_template, **speculative)
         if as_json:
             result = engine.generate(text, params, **kwargs)

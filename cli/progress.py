@@ -102,3 +102,12 @@ def isatty(stream=None) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def prepare_speculation(engine, speculative: dict) -> None:
+    """Run the one-time speculative measurements before the first request (a status line each on stderr),
+    so that its TTFT and prefill tokens/s do not include them."""
+    from mlx_infer.speculative import prepare
+
+    prepare(engine, speculative.get("speculative"), speculative.get("max_draft", "auto"),
+            say=lambda msg: stderr.print(msg, style="dim", markup=False))

@@ -53,7 +53,7 @@ def train_drafter(
     kind: Annotated[Kind, typer.Option("--kind", case_sensitive=False, rich_help_panel=DRAFTER,
                                        help="dflash (z-lab format) or dspark (DeepSpec format).")] = Kind.dflash,
     layers: Annotated[int, typer.Option("--layers", rich_help_panel=DRAFTER,
-                                        help="Drafter decoder layers (also the number of tapped target layers).")] = 1,
+                                        help="Drafter decoder layers (also the number of tapped target layers when --taps is not given).")] = 1,
     taps: Annotated[Optional[str], typer.Option(
         "--taps", metavar="I,J,...", rich_help_panel=DRAFTER,
         help="Target layers to tap (output of decoder layer i). Default: evenly spaced, one per drafter layer.")] = None,

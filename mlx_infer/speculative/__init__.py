@@ -11,7 +11,7 @@
 `token_source` builds the token iterator the Engine consumes in place of plain decoding.
 """
 
-from typing import Iterator, List, Optional, Union
+from typing import Callable, Iterator, List, Optional, Union
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -25,7 +25,7 @@ from .schedule import DraftScheduler, cost_curve, speculation_pays
 
 MODES = ("off", "auto", "lookup", "draft", "layerskip", "dflash", "dspark")
 
-__all__ = ["MODES", "SpecStats", "speculative_tokens", "token_source", "make_drafter", "cut_draft_model",
+__all__ = ["MODES", "SpecStats", "speculative_tokens", "token_source", "make_drafter", "cut_draft_model", "prepare",
            "check_max_draft", "Drafter", "LookupDrafter", "DraftModelDrafter"]
 
 
@@ -119,3 +119,19 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
         drafter.worth_drafting = scheduler.worth
     return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
                               observe=scheduler.observe)
+
+
+def prepare(engine, speculative: str, max_draft: Union[str, int] = "auto",
+            say: Optional[Callable[[str], None]] = None) -> None:
+    """Measure now, once per model and machine, what a speculative request would otherwise measure on its
+    first run (the verify cost curve for max_draft="auto"; layerskip's calibration), so that the first
+    request's TTFT does not include it. Both are cached on disk; `say` gets a line before each measurement.
+    """
+    if speculative in (None, "off"):
+        return
+    if speculative == "layerskip":
+        from .drafters.layerskip import cached_skip_set
+
+        cached_skip_set(engine, say)
+    if max_draft == "auto":
+        cost_curve(engine, DEFAULT_MAX_DRAFT + 1, say)

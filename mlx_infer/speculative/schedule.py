@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -114,10 +114,11 @@ def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int) -> Cos
     return CostCurve(seconds)
 
 
-def cost_curve(engine, max_width: int) -> CostCurve:
+def cost_curve(engine, max_width: int, say: Optional[Callable[[str], None]] = None) -> CostCurve:
     """The target's cost curve up to `max_width`, from the disk cache or measured once and saved.
 
     The cache key is the model directory, weights mode, backend, BLAS and MLX version.
+    say: called with a one-line message before a measurement (seconds; not when cached).
     """
     path = cache_dir() / "cost" / f"{_curve_key(engine)}.json"
     if path.is_file():
@@ -128,6 +129,8 @@ def cost_curve(engine, max_width: int) -> CostCurve:
                 return curve
         except (ValueError, KeyError):
             pass  # unreadable: measure again
+    if say:
+        say(f"measuring this model's verify cost by width (once; cached in {path.parent})")
     curve = measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")

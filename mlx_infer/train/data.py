@@ -166,7 +166,9 @@ def regenerate(engine, prompts: Sequence[Prompt], max_tokens: int,
     limit = engine.context_length
     for n, row in enumerate(ids):
         if len(row) + max_tokens > limit:
-            raise MlxInferError(f"prompt {n + 1} has {len(row)} tokens, more than the context window ({limit})")
+            raise MlxInferError(f"prompt {n + 1} has {len(row)} tokens: with answers of up to {max_tokens} tokens "
+                                f"it does not fit the context window ({limit}); shorten it or lower "
+                                "--max-response-tokens")
     answers = {}
     done = 0
     for first in range(0, len(ids), batch_size):

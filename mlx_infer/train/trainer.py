@@ -292,6 +292,10 @@ def train_drafter(engine, data, out_dir, settings: TrainSettings, max_response_t
     out = Path(out_dir).expanduser()
     if max_response_tokens < 1:
         raise MlxInferError(f"--max-response-tokens must be >= 1, got {max_response_tokens}")
+    n_layers = len(target_parts.decoder_layers(engine.model))
+    bad = [i for i in settings.taps or [] if not 0 <= int(i) < n_layers]
+    if bad:  # before minutes of regenerating answers
+        raise MlxInferError(f"tap layers {bad} are outside the target's {n_layers} layers")
     prompts = read_prompts(data)
     if max_prompts:
         prompts = prompts[:max_prompts]

@@ -143,3 +143,27 @@ def test_block_drafter_cost_is_per_round():
     assert good.draft_cost == pytest.approx(0.3)  # seconds per pass, not per token
     assert good() == 15
     assert bad.best_gamma() == 0
+
+
+def test_prepare_measures_once_and_says_so(make_tiny, tmp_path, monkeypatch):
+    """prepare() measures the cost curve (and layerskip's calibration) before the first request, with a
+    line each; the second time everything comes from the disk cache, silently."""
+    from types import SimpleNamespace
+
+    from mlx_infer.speculative import prepare
+
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
+    model = make_tiny(seed=6, layers=4)
+    tokenizer = SimpleNamespace(vocab_size=64, encode=lambda text: [1 + (ord(c) % 60) for c in text])
+    engine = SimpleNamespace(model=model, tokenizer=tokenizer,
+                             source=SimpleNamespace(mlx_dir=tmp_path / "m", weights="float32"))
+    said = []
+    prepare(engine, "off", "auto", said.append)
+    assert said == []
+    prepare(engine, "lookup", 4, said.append)  # pinned gamma: nothing to measure
+    assert said == []
+    prepare(engine, "lookup", "auto", said.append)
+    assert len(said) == 1 and "verify cost" in said[0]
+    said.clear()
+    prepare(engine, "lookup", "auto", said.append)
+    assert said == []

@@ -55,3 +55,26 @@ def test_sequences_round_trip(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"tokens": [1]}\n')
     with pytest.raises(MlxInferError, match="not a training sequence"):
         load_sequences(tmp_path / "bad.jsonl")
+
+
+def test_regenerate_batched_equals_one_by_one(tiny_engine):
+    """Batched answers (left-padded batches of 2) are the engine's own greedy answers, prompt by prompt,
+    with the stopping EOS kept; a prompt that cannot fit prompt + answer is refused up front."""
+    from mlx_infer.errors import MlxInferError
+    from mlx_infer.train.data import regenerate
+
+    prompts = ["the quick brown fox", "hello world, hello there, hello again", "one two three"]
+    seqs = regenerate(tiny_engine, prompts, 12, batch_size=2)
+    assert len(seqs) == 3
+    eos = set(tiny_engine.tokenizer.eos_token_ids)
+    for prompt, seq in zip(prompts, seqs):
+        ids = tiny_engine.encode(prompt)
+        alone = tiny_engine.generate(ids, max_tokens=12, temperature=0.0)
+        assert seq.tokens[: seq.start] == list(ids)
+        answer = seq.tokens[seq.start:]
+        if alone.finish_reason == "stop":
+            assert answer[-1] in eos and answer[:-1] == list(alone.token_ids)
+        else:
+            assert answer == list(alone.token_ids)
+    with pytest.raises(MlxInferError, match="does not fit the context window"):
+        regenerate(tiny_engine, prompts[:1], tiny_engine.context_length)

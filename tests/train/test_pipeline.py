@@ -52,6 +52,9 @@ def test_empty_and_missing_data(tmp_path, tiny_engine):
         train_drafter(tiny_engine, empty, tmp_path / "o", TrainSettings(steps=1))
     with pytest.raises(MlxInferError, match="no data file"):
         train_drafter(tiny_engine, tmp_path / "absent.txt", tmp_path / "o", TrainSettings(steps=1))
+    with pytest.raises(MlxInferError, match=r"tap layers \[99\] are outside"):  # before any answer is generated
+        train_drafter(tiny_engine, empty, tmp_path / "o2", TrainSettings(steps=1, taps=[0, 99]))
+    assert not (tmp_path / "o2").exists()
 
 
 def cli(*args):

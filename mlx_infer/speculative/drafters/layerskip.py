@@ -11,7 +11,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,8 +89,9 @@ def calibrate(model: nn.Module, tokenizer) -> List[int]:
     return best
 
 
-def cached_skip_set(engine) -> List[int]:
-    """The calibrated skip set of an Engine's model, from the disk cache or calibrated once and saved."""
+def cached_skip_set(engine, say: Optional[Callable[[str], None]] = None) -> List[int]:
+    """The calibrated skip set of an Engine's model, from the disk cache or calibrated once and saved
+    (say: called with a one-line message before a calibration)."""
     key = hashlib.sha256(f"{engine.source.mlx_dir}|{engine.source.weights}".encode()).hexdigest()[:16]
     path = cache_dir() / "layerskip" / f"{key}.json"
     if path.is_file():
@@ -98,6 +99,8 @@ def cached_skip_set(engine) -> List[int]:
             return [int(i) for i in json.loads(path.read_text())["skip"]]
         except (ValueError, KeyError):
             pass
+    if say:
+        say(f"calibrating which layers layerskip skips (once; cached in {path.parent})")
     skip = calibrate(engine.model, engine.tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")
