@@ -143,6 +143,8 @@ def test_make_drafter_modes(tmp_path, target):
     save_dflash_model(random_dflash(seed=3), tmp_path)
     d = make_drafter("dflash", engine, str(tmp_path))
     assert isinstance(d, DFlashDrafter) and d.max_draft == 3 and d.target_layer_ids == [0, 1]
+    again = make_drafter("dflash", engine, str(tmp_path))
+    assert again is not d and again.model is d.model  # a fresh drafter state, the weights loaded once
     ready = DSparkDrafter(random_dspark(seed=4), target)
     assert make_drafter("dspark", engine, ready) is ready
     with pytest.raises(MlxInferError, match="no dflash drafter is known for this model; pass --draft-model"):

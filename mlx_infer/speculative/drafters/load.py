@@ -31,10 +31,16 @@ def block_drafter(mode: str, engine, source) -> Drafter:
         return drafter
     if isinstance(source, Drafter):
         return source
+    if not isinstance(source, (DFlashModel, DSparkModel)):
+        # loaded once per engine and path: a chat loads its drafter at the first turn, not at every turn
+        loaded = engine.__dict__.setdefault("_drafter_models", {})
+        key = (mode, str(source))
+        if key not in loaded:
+            loaded[key] = (load_dflash_model if mode == "dflash" else load_dspark_model)(source)
+        source = loaded[key]
     if mode == "dflash":
-        model = source if isinstance(source, DFlashModel) else load_dflash_model(source)
-        return DFlashDrafter(model, engine.model)
-    model = source if isinstance(source, DSparkModel) else load_dspark_model(source)
+        return DFlashDrafter(source, engine.model)
+    model = source
     from ..confidence import ConfidenceSchedule
     from ..schedule import cost_curve
 
