@@ -53,8 +53,11 @@ def test_chat_on_a_model_without_template_is_a_user_error(run_cli):
 
 
 def test_ctrl_c_stops_the_answer_then_a_second_one_exits(mlx_infer_bin):
+    # SIGINT back to its default in the child: a test run started in the background (`pytest &`) inherits
+    # SIGINT ignored, which would make the chat (rightly) ignore Ctrl-C
     proc = subprocess.Popen([mlx_infer_bin, "chat", "-n", "400"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env())
+                            stderr=subprocess.PIPE, text=True, env=cli_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
@@ -76,7 +79,12 @@ def test_ctrl_c_stops_the_answer_then_a_second_one_exits(mlx_infer_bin):
         proc.stdin.write("What is the capital of France?\n")
         proc.stdin.flush()
         assert wait_for(lambda: "Paris" in "".join(out)[cut:] and "".join(out).endswith("\n"), 120)
-        time.sleep(3.0)  # the answer's tail (stats, closing the decoder) is done: back at the prompt
+        # the answer may have more lines: wait until the output has been still for 3 s (back at the prompt)
+        seen, still_since, give_up = -1, time.time(), time.time() + 120
+        while time.time() - still_since < 3.0 and time.time() < give_up:
+            if len(out) != seen:
+                seen, still_since = len(out), time.time()
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)  # at the prompt: a warning
         time.sleep(0.5)
         assert proc.poll() is None
