@@ -62,6 +62,13 @@ def _dense_tables(target: nn.Module):
     return emb, head
 
 
+def check_taps(taps: Sequence[int], num_target_layers: int) -> None:
+    """Raise MlxInferError when a tap index is outside the target's decoder layers 0..L-1."""
+    bad = [int(i) for i in taps if not 0 <= int(i) < num_target_layers]
+    if bad:
+        raise MlxInferError(f"tap layers {bad} are outside the target's {num_target_layers} layers")
+
+
 def new_drafter(kind: str, target: nn.Module, *, layers: int = 1, block_size: Optional[int] = None,
                 taps: Optional[Sequence[int]] = None, mask_token_id: Optional[int] = None, markov_rank: int = 64,
                 config: Optional[dict] = None, seed: int = 0):
@@ -90,9 +97,7 @@ def new_drafter(kind: str, target: nn.Module, *, layers: int = 1, block_size: Op
     if block < (2 if kind == "dflash" else 1):
         raise MlxInferError(f"--block-size must be >= {2 if kind == 'dflash' else 1} for {kind}, got {block}")
     ids = [int(i) for i in (taps if taps else default_taps(n_target, layers))]
-    bad = [i for i in ids if not 0 <= i < n_target]
-    if bad:
-        raise MlxInferError(f"tap layers {bad} are outside the target's {n_target} layers")
+    check_taps(ids, n_target)
     mask = V - 1 if mask_token_id is None else int(mask_token_id)
     if not 0 <= mask < V:
         raise MlxInferError(f"mask token {mask} is outside the vocabulary ({V})")

@@ -23,7 +23,7 @@ from ..speculative import target as target_parts
 from ..speculative.drafters.dflash import save_dflash_model
 from ..speculative.drafters.dspark import save_dspark_model
 from .batches import make_batch, sample_anchors, usable
-from .build import DEFAULT_BLOCK, new_drafter
+from .build import DEFAULT_BLOCK, check_taps, new_drafter
 from .data import TrainSequence, load_sequences, read_prompts, regenerate, save_sequences
 from .evaluate import heldout_tau, teacher_forced_acceptance
 from .features import all_features
@@ -292,10 +292,7 @@ def train_drafter(engine, data, out_dir, settings: TrainSettings, max_response_t
     out = Path(out_dir).expanduser()
     if max_response_tokens < 1:
         raise MlxInferError(f"--max-response-tokens must be >= 1, got {max_response_tokens}")
-    n_layers = len(target_parts.decoder_layers(engine.model))
-    bad = [i for i in settings.taps or [] if not 0 <= int(i) < n_layers]
-    if bad:  # before minutes of regenerating answers
-        raise MlxInferError(f"tap layers {bad} are outside the target's {n_layers} layers")
+    check_taps(settings.taps or [], len(target_parts.decoder_layers(engine.model)))  # before regenerating
     prompts = read_prompts(data)
     if max_prompts:
         prompts = prompts[:max_prompts]
