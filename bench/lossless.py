@@ -4,13 +4,15 @@ as plain decoding.
 Prompts: the four bench sets (bench/prompts, 10 each) plus the first --extra prompts of the shipped
 drafter's training prompts (models/smollm2-135m-dflash/prompts.jsonl), so >= 50 by default. Modes:
 lookup, draft (a model cut from the target's first --draft-layers layers), layerskip, and dflash / dspark
-when a drafter is registered for the target (models/registry.json). Gamma: --gammas (pinned, not
-scheduled; a block drafter's gamma is capped at its block size - 1).
+when a drafter is registered for the target (models/registry.json), and auto (lookup + that drafter).
+Gamma: --gammas, pinned (a block drafter's gamma is capped at its block size - 1) and "auto" (the
+scheduler chooses each round).
 
 Where an output differs, the first differing position and the target's top-2 logit margin there are
 reported (a float32 model should have none).
 
-Usage: python bench/lossless.py [--model PATH] [--max-tokens 24] [--modes lookup,draft,layerskip,dflash]
+Usage: python bench/lossless.py [--model PATH] [--max-tokens 24] [--modes lookup,draft,layerskip,dflash,auto]
+       [--gammas 1,2,4,8,auto]
 Exit status 1 when any output differs. Writes bench/results/lossless-*.json.
 """
 
@@ -51,8 +53,9 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--extra", type=int, default=12, help="training prompts added to the 40 bench prompts")
-    ap.add_argument("--modes", default="lookup,draft,layerskip,dflash")
-    ap.add_argument("--gammas", default="1,2,4,8")
+    ap.add_argument("--modes", default="lookup,draft,layerskip,dflash,auto")
+    ap.add_argument("--gammas", default="1,2,4,8,auto",
+                    help="pinned draft lengths, and 'auto' (the scheduler, which also launches plain rounds ahead)")
     ap.add_argument("--draft-layers", type=int, default=8)
     args = ap.parse_args()
 
@@ -64,7 +67,7 @@ def main():
     if not (draft_dir / "config.json").is_file():
         cut_draft_model(engine.source.mlx_dir, draft_dir, args.draft_layers)
     modes = args.modes.split(",")
-    gammas = [int(g) for g in args.gammas.split(",")]
+    gammas = [g if g == "auto" else int(g) for g in args.gammas.split(",")]
     todo = prompts(args.extra)
     t0 = time.perf_counter()
     runs, diffs = 0, []

@@ -110,4 +110,4 @@ def prepare_speculation(engine, speculative: dict) -> None:
     from mlx_infer.speculative import prepare
 
     prepare(engine, speculative.get("speculative"), speculative.get("max_draft", "auto"),
-            say=lambda msg: stderr.print(msg, style="dim", markup=False))
+            say=lambda msg: stderr.print(msg, style="dim", markup=False), draft_model=speculative.get("draft_model"))

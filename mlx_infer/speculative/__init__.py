@@ -7,6 +7,7 @@
     capture.py    taps of the target's decoder-layer outputs for the block drafters
     confidence.py DSpark's confidence-scheduled verify length
     schedule.py   the draft length per round (max_draft="auto")
+    prior.py      what a model drafter is worth before a request (a calibration, cached)
 
 `token_source` builds the token iterator the Engine consumes in place of plain decoding.
 """
@@ -114,18 +115,48 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
     if not speculation_pays(curve, limit):
         stats.mode = "off"  # verifying several tokens costs as much as decoding them one by one here
         return plain_tokens(engine.model, prompt_ids, params, max_tokens)
-    scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=block is not None)
+    scheduler = _scheduler(engine, speculative, draft_model, drafter, curve, limit, params)
     if hasattr(drafter, "worth_drafting"):
         drafter.worth_drafting = scheduler.worth
     return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
                               observe=scheduler.observe)
 
 
+def _drafter_ident(speculative: str, draft_model, drafter) -> Optional[str]:
+    """A stable name of a model drafter for the disk cache of its prior (None: a model object)."""
+    if speculative == "layerskip":
+        return f"layerskip:{sorted(drafter.skip)}"
+    return f"draft:{draft_model}" if isinstance(draft_model, str) else None
+
+
+def _scheduler(engine, speculative: str, draft_model, drafter: Drafter, curve, limit: int, params) -> DraftScheduler:
+    """The DraftScheduler of a request: the one this engine used last time for the same drafter, sampling
+    kind and draft limit (what it learned carries over), else a new one; a new scheduler of a model drafter
+    starts from its calibration prior (prior.py)."""
+    key = (speculative, draft_model if isinstance(draft_model, (str, type(None))) else id(draft_model), limit,
+           params.greedy)
+    memory = engine.__dict__.setdefault("_schedulers", {})
+    scheduler = memory.get(key)
+    if scheduler is not None:
+        scheduler.new_request()
+        return scheduler
+    prior = None
+    if isinstance(drafter, DraftModelDrafter):
+        from .prior import drafter_prior
+
+        prior = drafter_prior(engine, drafter.model, _drafter_ident(speculative, draft_model, drafter))
+    block = getattr(drafter, "max_draft", None)
+    scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=block is not None, prior=prior)
+    memory[key] = scheduler
+    return scheduler
+
+
 def prepare(engine, speculative: str, max_draft: Union[str, int] = "auto",
-            say: Optional[Callable[[str], None]] = None) -> None:
+            say: Optional[Callable[[str], None]] = None, draft_model=None) -> None:
     """Measure now, once per model and machine, what a speculative request would otherwise measure on its
-    first run (the verify cost curve for max_draft="auto"; layerskip's calibration), so that the first
-    request's TTFT does not include it. Both are cached on disk; `say` gets a line before each measurement.
+    first run (the verify cost curve and a model drafter's prior for max_draft="auto"; layerskip's
+    calibration), so that the first request's TTFT does not include them. All are cached on disk; `say`
+    gets a line before each measurement.
     """
     if speculative in (None, "off"):
         return
@@ -135,3 +166,8 @@ def prepare(engine, speculative: str, max_draft: Union[str, int] = "auto",
         cached_skip_set(engine, say)
     if max_draft == "auto":
         cost_curve(engine, DEFAULT_MAX_DRAFT + 1, say)
+        if speculative == "layerskip" or (speculative in ("draft", "auto") and isinstance(draft_model, str)):
+            from .prior import drafter_prior
+
+            drafter = make_drafter(speculative, engine, draft_model)
+            drafter_prior(engine, drafter.model, _drafter_ident(speculative, draft_model, drafter), say)

@@ -16,13 +16,13 @@ drafting(g) is g * (seconds per draft token) for a draft model, one drafter pass
 
 gamma = 0 is a plain decoding step. When even a fully accepted draft cannot beat plain decoding on
 this curve, `speculation_pays` is false and the Engine decodes plainly (no speculative overhead).
+
+The estimates start from a `Prior`: a weak 0.5 by default, a calibration for model drafters (prior.py),
+or what an earlier request with the same drafter learned (`DraftScheduler.new_request`).
 """
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..defaults import DEFAULT_MAX_DRAFT
-from ..paths import cache_dir
+from ..paths import cached_json
 
 #: Context tokens in the cache while the cost curve is measured.
 COST_CONTEXT = 64
@@ -44,8 +44,12 @@ ACCEPT_PRIOR_TRIALS = 2.0
 ACCEPT_DECAY = 0.95
 #: Weight of the past in the running drafting-cost estimate (exponential moving average).
 COST_DECAY = 0.9
-#: Rounds of plain steps after which a small draft is tried again to refresh the estimates.
+#: Rounds after which a source judged not worth drafting is tried again to refresh the estimates; the wait
+#: doubles after each probe that does not change the verdict, up to PROBE_MAX.
 PROBE_EVERY = 16
+PROBE_MAX = 512
+#: Weight (rounds) of what one request learned, as the prior of the next request with the same drafter.
+MEMORY_TRIALS = 8.0
 #: Speculation must promise this much over plain decoding to be used at all.
 MIN_GAIN = 1.05
 
@@ -80,8 +84,7 @@ class CostCurve:
 def _curve_key(engine) -> str:
     from ..backend import backend_name, blas_in_use
 
-    ident = f"{engine.source.mlx_dir}|{engine.source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return f"{engine.source.mlx_dir}|{engine.source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
 
 
 def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int) -> CostCurve:
@@ -120,23 +123,14 @@ def cost_curve(engine, max_width: int, say: Optional[Callable[[str], None]] = No
     The cache key is the model directory, weights mode, backend, BLAS and MLX version.
     say: called with a one-line message before a measurement (seconds; not when cached).
     """
-    path = cache_dir() / "cost" / f"{_curve_key(engine)}.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            curve = CostCurve({int(k): float(v) for k, v in data["seconds"].items()})
-            if max(curve.seconds) >= max_width:
-                return curve
-        except (ValueError, KeyError):
-            pass  # unreadable: measure again
-    if say:
-        say(f"measuring this model's verify cost by width (once; cached in {path.parent})")
-    curve = measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps({"model": str(engine.source.mlx_dir), "seconds": curve.to_json()}))
-    tmp.replace(path)
-    return curve
+    data = cached_json(
+        "cost", _curve_key(engine),
+        lambda: {"model": str(engine.source.mlx_dir),
+                 "seconds": measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size).to_json()},
+        valid=lambda d: max(int(k) for k in d["seconds"]) >= max_width,
+        say=say, message="measuring this model's verify cost by width",
+    )
+    return CostCurve({int(k): float(v) for k, v in data["seconds"].items()})
 
 
 def expected_committed(rates: List[float], gamma: int) -> float:
@@ -154,6 +148,22 @@ def speculation_pays(curve: CostCurve, max_draft: int) -> bool:
     return any((g + 1) / curve(g + 1) > MIN_GAIN * plain for g in range(1, max_draft + 1))
 
 
+@dataclass
+class Prior:
+    """What is known of a drafter before a request: its acceptance and its drafting cost, measured once
+    (a teacher-forced calibration, prior.py) or carried over from earlier requests.
+
+    Attributes:
+        acceptance: prior conditional acceptance of every draft position, in [0, 1].
+        weight: how many observed rounds the prior counts as.
+        draft_cost: seconds per draft token (per drafting pass for a block drafter), or None when unknown.
+    """
+
+    acceptance: float = ACCEPT_PRIOR_HITS / ACCEPT_PRIOR_TRIALS
+    weight: float = ACCEPT_PRIOR_TRIALS
+    draft_cost: Optional[float] = None
+
+
 class DraftScheduler:
     """Chooses gamma each round (call it) and learns from each round (`observe`).
 
@@ -164,35 +174,55 @@ class DraftScheduler:
     a costly source (lookup, then a block drafter: drafters/hybrid.py) asks `worth(key)` before using it;
     the cost of each bucket's proposals is measured per round.
 
+    Decisions are pure functions of what was observed; `observe` (once per round, plain rounds included)
+    advances the round count. A source judged not worth drafting is probed again after PROBE_EVERY rounds,
+    and after each probe that does not change the verdict the wait doubles (up to PROBE_MAX), so that a
+    useless drafter costs less and less. `plain_next` says before a round is verified whether the next one
+    will draft nothing, which lets the loop launch that plain step early (loop.py).
+
+    One scheduler can serve successive requests of the same drafter (`new_request`): what it learned
+    becomes a prior of limited weight for the next one.
+
     Args:
         curve: the target's CostCurve.
         max_draft: the largest gamma to consider.
         free: the drafter proposes at no cost (see above).
         per_round: drafting costs one pass per round whatever gamma (block drafters), not one per token.
+        prior: what is known before the first round (default: acceptance 0.5 of weight 2, cost unknown).
     """
 
     def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT, free: bool = False,
-                 per_round: bool = False):
+                 per_round: bool = False, prior: Optional[Prior] = None):
         self.curve = curve
         self.max_draft = max_draft
         self.free = free
         self.per_round = per_round
+        prior = prior or Prior()
+        self.prior_hits, self.prior_trials = prior.acceptance * prior.weight, prior.weight
         # Per bucket, discounted counts per position i: rounds that judged draft token i (its predecessors
         # accepted), and how many of those accepted it.
         self.hits: Dict[Optional[int], List[float]] = {}
         self.trials: Dict[Optional[int], List[float]] = {}
         # seconds per draft token, or per drafting pass when per_round (EMA); None = unknown yet
-        self.draft_cost = 0.0 if free else None
+        self.draft_cost = 0.0 if free else prior.draft_cost
         self.key_costs: Dict[Optional[int], float] = {}  # free mode: seconds per proposal, per bucket (EMA)
-        self.skipped: Dict[Optional[int], int] = {}  # free mode: rounds each bucket was judged not worth it
-        self.plain_rounds = 0
+        self.round = 0  # rounds observed
+        self.last_try: Dict[Optional[int], int] = {}  # round of each bucket's last verified proposal
+        self.misses: Dict[Optional[int], int] = {}  # per bucket: 1 + probes in a row that found it not worth it
+
+    def new_request(self) -> None:
+        """Start another request with this drafter: keep the estimates, at most MEMORY_TRIALS rounds' weight."""
+        for key, trials in self.trials.items():
+            scale = min(1.0, MEMORY_TRIALS / max(max(trials), 1e-9))
+            self.trials[key] = [t * scale for t in trials]
+            self.hits[key] = [h * scale for h in self.hits[key]]
 
     def rates(self, key: Optional[int] = None) -> List[float]:
         """Estimated conditional acceptance of each draft position (given its predecessors were accepted)
         for proposals in bucket `key`."""
         hits = self.hits.get(key, [0.0] * self.max_draft)
         trials = self.trials.get(key, [0.0] * self.max_draft)
-        return [(h + ACCEPT_PRIOR_HITS) / (t + ACCEPT_PRIOR_TRIALS) for h, t in zip(hits, trials)]
+        return [(h + self.prior_hits) / (t + self.prior_trials) for h, t in zip(hits, trials)]
 
     def _drafting(self, g: int, key: Optional[int]) -> float:
         """Seconds of drafting a round of gamma g costs (free mode: the bucket's cost per proposal)."""
@@ -213,58 +243,75 @@ class DraftScheduler:
 
         return max(range(top + 1), key=rate)
 
-    def _probe(self, gamma: int, available: int) -> int:
-        """Every PROBE_EVERY rounds without a draft, try a short one: estimates only move when drafts
-        are verified."""
-        if gamma > 0:
-            self.plain_rounds = 0
-            return gamma
-        self.plain_rounds += 1
-        if self.plain_rounds >= PROBE_EVERY:
-            self.plain_rounds = 0
-            return min(2, available)
-        return 0
+    def _due(self, key: Optional[int], at: int) -> bool:
+        """Whether bucket `key`, not worth drafting, is to be probed at round `at`."""
+        wait = min(PROBE_EVERY * 2 ** max(0, self.misses.get(key, 1) - 1), PROBE_MAX)
+        return at - self.last_try.get(key, 0) >= wait
+
+    def _gamma(self, at: int) -> int:
+        """The gamma of round `at` for a drafter that is not free."""
+        if self.draft_cost is None:  # drafting cost unknown: try a draft first
+            return self.max_draft if self.per_round else min(2, self.max_draft)
+        best = self.best_gamma()
+        if best > 0:
+            return best
+        return min(2, self.max_draft) if self._due(None, at) else 0
 
     def __call__(self) -> int:
         """The gamma to ask the drafter for this round."""
-        if self.free:
-            return self.max_draft
-        if self.draft_cost is None:  # drafting cost unknown: try a draft first
-            return self.max_draft if self.per_round else min(2, self.max_draft)
-        return self._probe(self.best_gamma(), self.max_draft)
+        return self.max_draft if self.free else self._gamma(self.round)
 
     def cut(self, draft) -> int:
         """How many of a free drafter's proposed tokens to verify (a draft with .tokens and .key)."""
         if not self.free:
             return len(draft.tokens)
-        return self._probe(self.best_gamma(draft.key, len(draft.tokens), sunk=True), len(draft.tokens))
+        best = self.best_gamma(draft.key, len(draft.tokens), sunk=True)
+        if best > 0 or not draft.tokens:
+            return best
+        return min(2, len(draft.tokens)) if self._due(draft.key, self.round) else 0
 
     def worth(self, key: Optional[int]) -> bool:
-        """Free mode: whether proposing from bucket `key` pays for its drafting cost this round; a bucket
-        judged not worth it is tried again after PROBE_EVERY rounds (estimates only move when drafts are
-        verified)."""
-        if self.best_gamma(key) > 0:
-            self.skipped[key] = 0
-            return True
-        self.skipped[key] = self.skipped.get(key, 0) + 1
-        if self.skipped[key] >= PROBE_EVERY:
-            self.skipped[key] = 0
-            return True
-        return False
+        """Free mode: whether proposing from bucket `key` pays for its drafting cost this round, or is due
+        for a probe (estimates only move when drafts are verified)."""
+        return self.best_gamma(key) > 0 or self._due(key, self.round)
+
+    def plain_next(self, keys=None) -> bool:
+        """Whether the round after this one will certainly draft nothing, whatever token this one commits.
+
+        Args:
+            keys: free mode: the buckets the drafter could propose from next round (None: unknown, so
+                no certainty); ignored otherwise.
+        """
+        at = self.round + 1
+        if not self.free:
+            return self._gamma(at) == 0
+        if keys is None:
+            return False
+        return all(self.best_gamma(k, sunk=True) == 0 and not self._due(k, at) for k in keys)
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None) -> None:
         """Update the estimates after a round that verified `proposed` draft tokens of bucket `key` and kept
-        `accepted`."""
+        `accepted` (proposed 0: a plain round)."""
+        self.round += 1
+        if not proposed:
+            return
+        probe = self._due(key, self.round - 1)  # drafted because a probe was due (not a verdict "worth it")
         hits = self.hits.setdefault(key, [0.0] * self.max_draft)
         trials = self.trials.setdefault(key, [0.0] * self.max_draft)
         for i in range(min(proposed, accepted + 1, self.max_draft)):
             trials[i] = ACCEPT_DECAY * trials[i] + 1.0
             hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
-        if proposed and self.free:
+        if self.free:
             old = self.key_costs.get(key)
             self.key_costs[key] = draft_s if old is None else COST_DECAY * old + (1 - COST_DECAY) * draft_s
-        elif proposed:
+        else:
             sample = draft_s if self.per_round else draft_s / proposed
             self.draft_cost = (
                 sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample
             )
+        self.last_try[key] = self.round
+        misses = self.misses.get(key, 0)
+        if self.best_gamma(key) > 0:
+            self.misses[key] = 0
+        elif probe or misses == 0:  # a probe that did not change the verdict, or the first "not worth it"
+            self.misses[key] = misses + 1

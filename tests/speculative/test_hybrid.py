@@ -39,15 +39,20 @@ def test_greedy_identical_and_both_sources_used(make_tiny, vocab):
 
 
 def test_costly_bucket_is_skipped_then_probed():
-    """A bucket whose drafts are rejected and whose pass costs a verify's worth stops being drafted from;
-    it is tried again every PROBE_EVERY rounds. A free, accurate bucket stays worth it."""
+    """A bucket whose drafts are rejected and whose pass costs half a verify stops being drafted from; it
+    is tried again after PROBE_EVERY rounds, then after twice as many. A free, accurate bucket stays worth it."""
     s = DraftScheduler(CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 9)}), 7, free=True)
     for _ in range(20):
-        s.observe(7, 0, 0.5, 1.0, key=BLOCK_KEY)
         s.observe(7, 7, 0.0, 1.0, key=3)
-    assert s.key_costs[BLOCK_KEY] == pytest.approx(0.5, rel=0.05)
+    for _ in range(2):
+        s.observe(7, 0, 0.5, 1.0, key=BLOCK_KEY)
+    assert s.key_costs[BLOCK_KEY] == pytest.approx(0.5)
     assert s.worth(3)
-    decisions = [s.worth(BLOCK_KEY) for _ in range(PROBE_EVERY)]
-    assert decisions == [False] * (PROBE_EVERY - 1) + [True]
+    tried = []
+    for r in range(4 * PROBE_EVERY):
+        worth = s.worth(BLOCK_KEY)
+        tried += [r] if worth else []
+        s.observe(7 if worth else 0, 0, 0.5 if worth else 0.0, 1.0, key=BLOCK_KEY if worth else None)
+    assert tried == [PROBE_EVERY, PROBE_EVERY + 1 + 2 * PROBE_EVERY]  # PROBE_EVERY plain rounds, then twice as many
     # once proposed, the cost is sunk: cut judges the proposal on acceptance alone
     assert s.cut(Draft(list(range(7)), key=3)) == 7

@@ -44,6 +44,27 @@ def test_max_tokens_mid_block(target, max_tokens):
     assert offset(cache) == len(PROMPT) + max_tokens - 1
 
 
+def test_plain_rounds_launched_ahead_roll_back(target):
+    """With max_draft 0 every round is plain and is launched before the previous one is synced (as
+    mlx-lm's generate_step): the tokens are plain decoding's, and a consumer that stops after k tokens,
+    or max_tokens, leaves the cache at P + k - 1 although the next round was already under way."""
+    base = list(plain_tokens(target, PROMPT, GREEDY, 10))
+    spy = WidthSpy(target)
+    cache = make_prompt_cache(target)
+    assert list(speculative_tokens(spy, PROMPT, GREEDY, 10, LookupDrafter(), 0, cache=cache)) == base
+    assert offset(cache) == len(PROMPT) + 9
+    assert spy.widths.count(1) == 10  # one forward per token, none wasted
+    for k in (1, 3, 6):
+        cache = make_prompt_cache(target)
+        gen = speculative_tokens(target, PROMPT, GREEDY, 10, LookupDrafter(), 0, cache=cache)
+        got = [next(gen) for _ in range(k)]
+        gen.close()
+        assert got == base[:k]
+        assert offset(cache) == len(PROMPT) + k - 1
+        logits = target(mx.array([got[-1]])[None], cache=cache)
+        assert int(mx.argmax(logits[0, -1]).item()) == base[k]
+
+
 class WidthSpy:
     """Wraps a model and records the width of every forward."""
 

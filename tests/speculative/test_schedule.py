@@ -57,9 +57,45 @@ def test_scheduler_falls_back_to_plain_steps_and_probes():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.5 * (w - 1) for w in range(1, 10)}), max_draft=8)
     for _ in range(60):
         s.observe(2, 0, 0.01, 1.0)  # every draft rejected at once
-    choices = [s() for _ in range(PROBE_EVERY)]
-    assert choices[:-1] == [0] * (PROBE_EVERY - 1)
-    assert choices[-1] == 2  # a probe every PROBE_EVERY plain rounds keeps the estimates fresh
+    choices = []
+    for _ in range(PROBE_EVERY + 1):
+        choices.append(s())
+        s.observe(0, 0, 0.0, 1.0)  # a plain round
+    assert choices == [0] * PROBE_EVERY + [2]  # after PROBE_EVERY plain rounds a probe refreshes the estimates
+
+
+def test_probes_back_off_while_the_verdict_stands():
+    """Each probe that finds the drafter still not worth it doubles the wait before the next one (up to
+    PROBE_MAX); one that finds it worth it again restores drafting at once."""
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.5 * (w - 1) for w in range(1, 10)}), max_draft=8)
+    for _ in range(30):
+        s.observe(2, 0, 0.01, 1.0)
+    probes = []
+    for r in range(PROBE_EVERY * 7 + 3):
+        g = s()
+        if g:
+            probes.append(r)
+        s.observe(g, 0, 0.01 * g, 1.0)
+    first = PROBE_EVERY  # plain rounds, then a probe; then twice as many plain rounds, and so on
+    assert probes == [first, first + 1 + 2 * PROBE_EVERY, first + 2 + 6 * PROBE_EVERY]
+    assert s.plain_next() is True  # the next round is plain whatever token this one commits
+    for _ in range(40):
+        s.observe(2, 2, 0.0, 1.0)
+    assert s() > 0
+
+
+def test_new_request_keeps_a_bounded_memory():
+    """What one request learned is the next one's prior, weighing at most MEMORY_TRIALS rounds."""
+    from mlx_infer.speculative.schedule import MEMORY_TRIALS, Prior
+
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}), max_draft=4,
+                       prior=Prior(acceptance=0.1, weight=4, draft_cost=0.05))
+    assert s() == 0  # the prior alone: not worth drafting, no first probe
+    for _ in range(100):
+        s.observe(4, 4, 0.2, 1.0)
+    s.new_request()
+    assert max(s.trials[None]) == pytest.approx(MEMORY_TRIALS)
+    assert s.rates()[0] > 0.6 and s() > 0
 
 
 def test_scheduler_counts_only_observed_positions():
@@ -166,4 +202,9 @@ def test_prepare_measures_once_and_says_so(make_tiny, tmp_path, monkeypatch):
     assert len(said) == 1 and "verify cost" in said[0]
     said.clear()
     prepare(engine, "lookup", "auto", said.append)
+    assert said == []
+    prepare(engine, "layerskip", "auto", said.append)  # its calibration, then its prior
+    assert len(said) == 2 and "layerskip" in said[0] and "agrees" in said[1]
+    said.clear()
+    prepare(engine, "layerskip", "auto", said.append)
     assert said == []

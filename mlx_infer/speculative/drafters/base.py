@@ -49,6 +49,11 @@ class Drafter:
         """Propose at most `gamma` (>= 0) tokens that follow `context` (ints)."""
         raise NotImplementedError
 
+    def possible_keys(self, context: Sequence[int]):
+        """Free drafters: the buckets (Draft.key) a proposal could come from next round, once one more
+        token (not known yet) is appended to `context`; None when that cannot be told."""
+        return None
+
     def update(self, n_accepted: int, committed: Sequence[int]) -> None:
         """Called after each round: n_accepted draft tokens were kept; `committed` (n_accepted + 1 ints)
         were appended to the context."""

@@ -2,7 +2,7 @@
 (arXiv 2211.17192, 2302.01318), with its own KV cache kept consistent with the committed context.
 
 Cache convention (same as the target's): before a proposal the draft cache holds a prefix of the context
-that excludes at least the pending (last) token; `propose` trims whatever it fed that the context no
+that excludes at least the pending (last) token (empty until the first proposal); `propose` trims whatever it fed that the context no
 longer agrees with (rejected draft tokens), then feeds the missing tail. After a full accept that tail is
 two tokens (the last draft token, which the drafter sampled but never fed, and the bonus token): the
 classic off-by-one is handled by construction, not by a special case.
@@ -62,14 +62,11 @@ class DraftModelDrafter(Drafter):
         self.params = None
 
     def begin(self, prompt_ids: Sequence[int], params) -> None:
+        """Start a request. The prompt is fed at the first proposal, not here: a drafter the scheduler
+        never runs costs no prefill."""
         self.params = params
         self.cache = make_prompt_cache(self.model)
         self.fed = []
-        head = list(prompt_ids[:-1])
-        for s in range(0, len(head), PREFILL_STEP_SIZE):
-            self.model(mx.array(head[s : s + PREFILL_STEP_SIZE])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        self.fed = head
 
     def _sync(self, context: Sequence[int]) -> list:
         """Trim the cache to the longest prefix of `context[:-1]` it holds; return the tokens still to feed."""
@@ -90,7 +87,13 @@ class DraftModelDrafter(Drafter):
         if gamma <= 0:
             return Draft([])
         tail = [int(t) for t in self._sync(context)]
-        y = mx.array(tail, dtype=mx.uint32)  # [t], t >= 1
+        # catch up in prefill-sized chunks (the first proposal feeds the whole prompt); the last chunk
+        # also gives the first draft token's logits
+        last = (len(tail) - 1) // PREFILL_STEP_SIZE * PREFILL_STEP_SIZE
+        for s in range(0, last, PREFILL_STEP_SIZE):
+            self.model(mx.array(tail[s : s + PREFILL_STEP_SIZE], dtype=mx.uint32)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        y = mx.array(tail[last:], dtype=mx.uint32)  # [t], t >= 1
         greedy = self.params is None or self.params.greedy
         tokens, qs = [], []
         for _ in range(gamma):

@@ -55,6 +55,10 @@ class LookupThenBlock(Drafter):
             return Draft(draft.tokens, draft.q, BLOCK_KEY)
         return Draft([], key=BLOCK_KEY)
 
+    def possible_keys(self, context: Sequence[int]) -> set:
+        """Lookup's possible buckets, and the block drafter's (it can always propose)."""
+        return self.lookup.possible_keys(context) | {BLOCK_KEY}
+
     def update(self, n_accepted: int, committed: Sequence[int], hidden: Optional[mx.array] = None) -> None:
         self.lookup.update(n_accepted, committed)
         self.block.update(n_accepted, committed, hidden=hidden)

@@ -8,9 +8,6 @@ fraction of layers it still runs. The choice is cached per model under the user 
 """
 
 import copy
-import hashlib
-import json
-from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -18,16 +15,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ...errors import MlxInferError
-from ...paths import cache_dir
+from ...paths import cached_json
+from ..prior import CALIBRATION_TEXT, agreement
 from .draft_model import DraftModelDrafter
 
-#: Calibration text: plain prose, code and a list, so that no one style decides.
-CALIBRATION_TEXT = (
-    "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to "
-    "five books at a time, and each loan lasts three weeks.\n\ndef mean(values):\n    total = 0\n    for v in "
-    "values:\n        total += v\n    return total / len(values)\n\nShopping list:\n- milk\n- bread\n- eggs\n"
-    "- apples\n\nIn 1969 the first humans landed on the Moon, and millions watched the broadcast live."
-)
 #: Draft length assumed when candidate skip sets are compared.
 CALIBRATION_GAMMA = 4
 
@@ -63,13 +54,6 @@ def candidate_skips(n_layers: int) -> List[List[int]]:
     return [sorted(s) for s in out if s]
 
 
-def agreement(model: nn.Module, view: nn.Module, tokens: mx.array) -> float:
-    """Fraction of positions where the view's argmax equals the full model's (tokens: [1, L] int)."""
-    full = mx.argmax(model(tokens), axis=-1)
-    part = mx.argmax(view(tokens), axis=-1)
-    return mx.mean(full == part).item()
-
-
 def calibrate(model: nn.Module, tokenizer) -> List[int]:
     """The skip set with the best expected tokens per unit of drafting + verify time, over candidate_skips.
 
@@ -92,21 +76,10 @@ def calibrate(model: nn.Module, tokenizer) -> List[int]:
 def cached_skip_set(engine, say: Optional[Callable[[str], None]] = None) -> List[int]:
     """The calibrated skip set of an Engine's model, from the disk cache or calibrated once and saved
     (say: called with a one-line message before a calibration)."""
-    key = hashlib.sha256(f"{engine.source.mlx_dir}|{engine.source.weights}".encode()).hexdigest()[:16]
-    path = cache_dir() / "layerskip" / f"{key}.json"
-    if path.is_file():
-        try:
-            return [int(i) for i in json.loads(path.read_text())["skip"]]
-        except (ValueError, KeyError):
-            pass
-    if say:
-        say(f"calibrating which layers layerskip skips (once; cached in {path.parent})")
-    skip = calibrate(engine.model, engine.tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps({"model": str(engine.source.mlx_dir), "skip": skip}))
-    tmp.replace(path)
-    return skip
+    data = cached_json("layerskip", f"{engine.source.mlx_dir}|{engine.source.weights}",
+                       lambda: {"model": str(engine.source.mlx_dir), "skip": calibrate(engine.model, engine.tokenizer)},
+                       say=say, message="calibrating which layers layerskip skips")
+    return [int(i) for i in data["skip"]]
 
 
 class LayerSkipDrafter(DraftModelDrafter):

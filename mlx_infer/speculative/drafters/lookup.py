@@ -60,3 +60,14 @@ class LookupDrafter(Drafter):
             if cont.size:
                 return Draft([int(t) for t in cont], key=n)
         return Draft([])
+
+    def possible_keys(self, context: Sequence[int]) -> set:
+        """Match lengths n a proposal could have once an unknown token t is appended to `context`: n = 1
+        whenever the context is not empty (t may occur earlier), n >= 2 only if the context's last n - 1
+        tokens occur earlier with a token after them (t may be that token)."""
+        ctx = np.asarray(context, dtype=np.int64)
+        keys = {1} if ctx.size and self.min_ngram <= 1 else set()
+        for n in range(max(2, self.min_ngram), self.max_ngram + 1):
+            if find_continuation(ctx, n - 1, 1).size:
+                keys.add(n)
+        return keys
