@@ -13,7 +13,8 @@ For each prompt set in bench/prompts/ (chat, code, math, copy-heavy editing) and
 
 Each prompt runs --repeats times per system (interleaved: A B C .., A B C ..) and the fastest run
 counts, except the two slow peer rows, which run once. Reported per set and temperature: tokens/s
-(generated tokens / wall time of the request, prefill included), speedup over our plain decoding, tau (committed tokens per target forward), the per-position
+(greedy: generated tokens / wall time of the request, prefill included; sampling: decode tokens/s after
+the first token, because sampled answers differ in length and a short one carries more prefill), speedup over our plain decoding, tau (committed tokens per target forward), the per-position
 acceptance of the drafts (in the JSON) and, greedy only, whether every output is token-identical to plain
 decoding.
 
@@ -57,7 +58,8 @@ def ours(engine, mode, draft_dir, max_draft):
     def run(prompt_ids, temp, max_tokens, seed):
         r = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temp, seed=seed, speculative=mode,
                             draft_model=str(draft_dir) if mode in ("draft",) else None, max_draft=max_draft)
-        return {"tokens": r.token_ids, "seconds": r.stats.total_s, "tau": r.stats.tau if mode != "off" else 1.0,
+        return {"tokens": r.token_ids, "seconds": r.stats.total_s, "first_s": r.stats.ttft_s,
+                "tau": r.stats.tau if mode != "off" else 1.0,
                 "spec_mode": r.stats.spec_mode, "acceptance": r.stats.acceptance or []}
 
     return run
@@ -72,9 +74,13 @@ def mlx_lm_plain(engine):
 
         mx.random.seed(seed)
         start = time.perf_counter()
-        toks = [r.token for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens,
-                                                 sampler=make_sampler(temp=temp)) if r.finish_reason != "stop"]
-        return {"tokens": toks, "seconds": time.perf_counter() - start, "tau": 1.0}
+        toks, first = [], None
+        for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens,
+                                 sampler=make_sampler(temp=temp)):
+            first = first or time.perf_counter()
+            if r.finish_reason != "stop":
+                toks.append(r.token)
+        return {"tokens": toks, "seconds": time.perf_counter() - start, "first_s": (first or start) - start, "tau": 1.0}
 
     return run
 
@@ -88,16 +94,18 @@ def mlx_lm_spec(engine, draft_engine, num_draft):
 
         mx.random.seed(seed)
         start = time.perf_counter()
-        toks, from_draft = [], 0
+        toks, from_draft, first = [], 0, None
         for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens,
                                  draft_model=draft_engine.model, num_draft_tokens=num_draft,
                                  sampler=make_sampler(temp=temp)):
+            first = first or time.perf_counter()
             if r.finish_reason == "stop":
                 break
             toks.append(r.token)
             from_draft += bool(r.from_draft)
         target_steps = max(1, len(toks) - from_draft)
-        return {"tokens": toks, "seconds": time.perf_counter() - start, "tau": len(toks) / target_steps}
+        return {"tokens": toks, "seconds": time.perf_counter() - start, "first_s": (first or start) - start,
+                "tau": len(toks) / target_steps}
 
     return run
 
@@ -161,7 +169,8 @@ def main():
     results = {}
     for temp in [float(t) for t in args.temps.split(",")]:
         for set_name in args.sets.split(","):
-            rows = {name: {"tokens": 0, "seconds": 0.0, "taus": [], "identical": True, "modes": set(), "acc": []}
+            rows = {name: {"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_s": 0.0, "taus": [],
+                           "identical": True, "modes": set(), "acc": []}
                     for name in systems}
             for i, prompt in enumerate(load_prompts(set_name, args.limit)):
                 prompt_ids = engine.encode(prompt)
@@ -182,14 +191,28 @@ def main():
                     row = rows[name]
                     row["tokens"] += len(out["tokens"])
                     row["seconds"] += out["seconds"]
+                    if out.get("first_s") is not None and len(out["tokens"]) > 1:
+                        row["decode_tokens"] += len(out["tokens"]) - 1
+                        row["decode_s"] += out["seconds"] - out["first_s"]
                     row["taus"].append(out["tau"])
                     row["modes"].add(out.get("spec_mode") or "")
                     row["acc"].append(out.get("acceptance") or [])
-            base = rows["plain (mlx-infer)"]["tokens"] / rows["plain (mlx-infer)"]["seconds"]
+            def rate(row, metric):
+                """"wall": tokens / wall time (prefill included; greedy systems all make the same tokens).
+                "decode": decode tokens/s after the first token, for sampling, where answers differ in
+                length and a shorter one would carry more of the prefill."""
+                if metric == "wall":
+                    return row["tokens"] / row["seconds"] if row["seconds"] else 0.0
+                return row["decode_tokens"] / row["decode_s"]
+
+            plain = rows["plain (mlx-infer)"]
             for name, row in rows.items():
-                tps = row["tokens"] / row["seconds"] if row["seconds"] else 0.0
+                metric = "wall" if (temp == 0 or not row["decode_s"]) else "decode"  # no first-token time: wall
+                tps = rate(row, metric)
                 results.setdefault(str(temp), {}).setdefault(set_name, {})[name] = {
-                    "tokens_per_s": tps, "speedup": tps / base, "tau": sum(row["taus"]) / len(row["taus"]),
+                    "tokens_per_s": tps, "speedup": tps / rate(plain, metric),
+                    "tau": sum(row["taus"]) / len(row["taus"]), "metric": metric,
+                    "tokens": row["tokens"],
                     "identical_to_plain": row["identical"] if temp == 0 else None,
                     "spec_modes_used": sorted(m for m in row["modes"] if m),
                     "acceptance": mean_by_position(row["acc"]),
@@ -209,9 +232,12 @@ def main():
             for s in sets:
                 r = sets[s][name]
                 same = "" if r["identical_to_plain"] is None else (" =" if r["identical_to_plain"] else " !")
-                cells.append(f"{r['tokens_per_s']:6.1f} {r['speedup']:4.2f}x t{r['tau']:4.2f}{same}")
+                wall = "*" if (r["metric"] == "wall" and float(temp) > 0) else ""
+                cells.append(f"{r['tokens_per_s']:6.1f}{wall} {r['speedup']:4.2f}x t{r['tau']:4.2f}{same}")
             print(f"{name:<28}" + "".join(f"{c:>22}" for c in cells))
-    print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not")
+    print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not.\n"
+          "greedy: tokens / wall time, prefill included; sampling: decode tokens/s after the first token\n"
+          "(sampled answers differ in length), '*' where no first-token time exists (wall time, against plain's)")
     path = write_result("spec", {"machine": info, "args": vars(args), "results": results})
     print(f"wrote {path}")
 
