@@ -12,7 +12,7 @@ Where an output differs, the first differing position and the target's top-2 log
 reported (a float32 model should have none).
 
 Usage: python bench/lossless.py [--model PATH] [--max-tokens 24] [--modes lookup,draft,layerskip,dflash,auto]
-       [--gammas 1,2,4,8,auto]
+       [--gammas 1,2,4,8,auto] [--start N]
 Exit status 1 when any output differs. Writes bench/results/lossless-*.json.
 """
 
@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--gammas", default="1,2,4,8,auto",
                     help="pinned draft lengths, and 'auto' (the scheduler, which also launches plain rounds ahead)")
     ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--start", type=int, default=1, help="first prompt to run (1-based), to finish a stopped run")
     args = ap.parse_args()
 
     from mlx_infer.paths import cache_dir
@@ -72,6 +73,8 @@ def main():
     t0 = time.perf_counter()
     runs, diffs = 0, []
     for i, prompt in enumerate(todo):
+        if i + 1 < args.start:
+            continue
         ids = engine.encode(prompt)
         plain = engine.generate(ids, max_tokens=args.max_tokens, temperature=0.0).token_ids
         for mode in modes:
@@ -86,12 +89,12 @@ def main():
                                   "margin": top2_margin(engine, list(ids) + plain[:k])})
         print(f"[{i + 1}/{len(todo)}] {runs} runs, {len(diffs)} differ, {time.perf_counter() - t0:.0f} s", flush=True)
     info = machine()
-    print(f"model: {engine.source.name} ({engine.source.weights} weights); {len(todo)} prompts x modes {modes} x "
+    print(f"model: {engine.source.name} ({engine.source.weights} weights); prompts {args.start}-{len(todo)} x modes {modes} x "
           f"gamma {gammas}, {args.max_tokens} new tokens: {runs} runs, {len(diffs)} differ from plain decoding")
     for d in diffs:
         print(f"  prompt {d['prompt']} {d['mode']} gamma {d['gamma']}: first difference at token {d['position']}, "
               f"top-2 margin {d['margin']:.4f}")
-    path = write_result("lossless", {"machine": info, "args": vars(args), "prompts": len(todo), "runs": runs,
+    path = write_result("lossless", {"machine": info, "args": vars(args), "prompts": len(todo) - args.start + 1, "runs": runs,
                                      "differences": diffs, "seconds": time.perf_counter() - t0})
     print(f"wrote {path}")
     sys.exit(1 if diffs else 0)
