@@ -38,7 +38,8 @@ class SpecStats:
     Attributes:
         mode: the drafter used ("lookup", "draft", ...).
         rounds: target forwards (one per round).
-        committed: tokens committed by the rounds (may exceed the tokens the consumer took).
+        committed: tokens committed by the rounds and delivered (a round's tokens past the point where the
+            consumer stopped, e.g. after EOS inside an accepted block, are not counted).
         draft_s: seconds spent proposing (including the draft model's forwards).
         verify_s: seconds spent in the target forward + accept/reject (including the host sync).
         proposed: proposed[i] = rounds that proposed a draft token at position i (0-based).
@@ -283,8 +284,10 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
                 # consumer stopped: keep only the tokens it received (the last of them stays pending),
                 # dropping the round launched ahead too
                 _trim(cache, len(committed) - (i + 1) + (ahead is not None))
+                stats.committed -= len(committed) - (i + 1)  # tau counts delivered tokens only
                 raise
             produced += 1
             if produced >= max_tokens:
                 _trim(cache, len(committed) - (i + 1) + (ahead is not None))
+                stats.committed -= len(committed) - (i + 1)
                 return

@@ -20,6 +20,9 @@ CALIBRATION_TEXT = (
 )
 #: Rounds of observation the calibration prior counts as.
 PRIOR_WEIGHT = 4.0
+#: Rounds before the first probe of a drafter its calibration judges not worth running. A probe of a model
+#: drafter is dear: its KV cache first catches up on the whole context (a prefill through its layers).
+PRIOR_FIRST_PROBE = 128
 
 
 def agreement(model: nn.Module, draft: nn.Module, tokens: mx.array) -> float:
@@ -34,13 +37,13 @@ def measure_prior(engine, draft: nn.Module):
     cost = seconds of one drafter forward of width 1 (schedule.measure_cost_curve).
 
     Returns:
-        schedule.Prior with weight PRIOR_WEIGHT.
+        schedule.Prior with weight PRIOR_WEIGHT and first probe after PRIOR_FIRST_PROBE rounds.
     """
     from .schedule import Prior, measure_cost_curve
 
     tokens = mx.array(engine.tokenizer.encode(CALIBRATION_TEXT))[None]
     step = measure_cost_curve(draft, 1, engine.tokenizer.vocab_size).seconds[1]
-    return Prior(agreement(engine.model, draft, tokens), PRIOR_WEIGHT, step)
+    return Prior(agreement(engine.model, draft, tokens), PRIOR_WEIGHT, step, PRIOR_FIRST_PROBE)
 
 
 def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
@@ -59,4 +62,4 @@ def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
     data = cached_json("prior", f"{_curve_key(engine)}|{ident}", compute,
                        valid=lambda d: 0 <= d["acceptance"] <= 1 and d["draft_cost"] > 0,
                        say=say, message="measuring how often this drafter agrees with the model")
-    return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]))
+    return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]), PRIOR_FIRST_PROBE)

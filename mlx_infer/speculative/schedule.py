@@ -162,6 +162,8 @@ class Prior:
     acceptance: float = ACCEPT_PRIOR_HITS / ACCEPT_PRIOR_TRIALS
     weight: float = ACCEPT_PRIOR_TRIALS
     draft_cost: Optional[float] = None
+    #: rounds before the first probe when the prior alone judges the drafter not worth running
+    first_probe: int = PROBE_EVERY
 
 
 class DraftScheduler:
@@ -209,6 +211,8 @@ class DraftScheduler:
         self.round = 0  # rounds observed
         self.last_try: Dict[Optional[int], int] = {}  # round of each bucket's last verified proposal
         self.misses: Dict[Optional[int], int] = {}  # per bucket: 1 + probes in a row that found it not worth it
+        if prior.first_probe > PROBE_EVERY:  # start further along the back-off
+            self.misses[None] = 1 + max(0, (prior.first_probe // PROBE_EVERY).bit_length() - 1)
 
     def new_request(self) -> None:
         """Start another request with this drafter: keep the estimates, at most MEMORY_TRIALS rounds' weight."""

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_infer import MlxInferError
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
-from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, speculative_tokens
+from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, SpecStats, speculative_tokens
 
 PROMPT = [3, 9, 27, 17, 51, 25, 11, 33, 35, 41]
 GREEDY = SamplingParams()
@@ -30,11 +30,13 @@ def test_stop_inside_accepted_block_and_close_mid_round(target, drafter, max_dra
     for k in (1, 2, 5):
         cache = make_prompt_cache(target)
         d = DraftModelDrafter(target) if drafter == "draft" else LookupDrafter()
-        gen = speculative_tokens(target, PROMPT, GREEDY, 12, d, max_draft, cache=cache)
+        stats = SpecStats()
+        gen = speculative_tokens(target, PROMPT, GREEDY, 12, d, max_draft, stats=stats, cache=cache)
         got = [next(gen) for _ in range(k)]
         gen.close()
         assert got == base[:k]
         assert offset(cache) == len(PROMPT) + k - 1
+        assert stats.committed == k  # tau counts the tokens delivered, not those past the stop
         # resume: the pending token is got[-1]; the cache must hold exactly PROMPT + got[:-1]
         logits = target(mx.array([got[-1]])[None], cache=cache)
         assert int(mx.argmax(logits[0, -1]).item()) == base[k]

@@ -90,7 +90,7 @@ def test_new_request_keeps_a_bounded_memory():
 
     s = DraftScheduler(CostCurve({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}), max_draft=4,
                        prior=Prior(acceptance=0.1, weight=4, draft_cost=0.05))
-    assert s() == 0  # the prior alone: not worth drafting, no first probe
+    assert s() == 0  # the prior alone: not worth drafting
     for _ in range(100):
         s.observe(4, 4, 0.2, 1.0)
     s.new_request()
@@ -208,3 +208,18 @@ def test_prepare_measures_once_and_says_so(make_tiny, tmp_path, monkeypatch):
     said.clear()
     prepare(engine, "layerskip", "auto", said.append)
     assert said == []
+
+
+def test_a_calibrated_bad_drafter_is_first_probed_late():
+    """A prior that already rules the drafter out (a calibration) delays the first probe to first_probe
+    rounds, and the back-off goes on from there."""
+    from mlx_infer.speculative.schedule import Prior
+
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}), max_draft=4,
+                       prior=Prior(acceptance=0.1, weight=4, draft_cost=0.5, first_probe=128))
+    probes = []
+    for r in range(128 + 1 + 256 + 1):
+        g = s()
+        probes += [r] if g else []
+        s.observe(g, 0, 0.5 * g, 1.0)
+    assert probes == [128, 128 + 1 + 256]
