@@ -45,5 +45,30 @@ def root(
 
 
 def main() -> None:
-    """Entry point of the `mlx-infer` command and `python -m mlx_infer`."""
-    app(prog_name="mlx-infer")
+    """Entry point of the `mlx-infer` command and `python -m mlx_infer`.
+
+    A usage error (a flag of the wrong type, a missing argument, an unknown option) is one line on
+    stderr and exit status 2, like every other bad input, instead of click's boxed usage text.
+    """
+    import sys
+
+    try:  # recent typer releases vendor click; older ones use click itself
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+
+    try:
+        code = app(prog_name="mlx-infer", standalone_mode=False)
+    except exceptions.NoArgsIsHelpError as e:  # `mlx-infer` alone: the help text
+        e.show()
+        sys.exit(e.exit_code)
+    except exceptions.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "mlx-infer"
+        print(f"error: {e.format_message()} (see: {where} --help)", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except exceptions.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except exceptions.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

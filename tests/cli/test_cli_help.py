@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import cli_env
+from conftest import assert_user_error, cli_env
 
 import mlx_infer
 
@@ -39,11 +39,17 @@ def test_python_dash_m_runs_the_same_app(tmp_path):
     assert proc.stdout.strip() == f"mlx-infer {mlx_infer.__version__}"
 
 
-def test_usage_errors_exit_2(run_cli):
-    bad_choice = run_cli("generate", "hi", "--weights", "bogus")
-    assert bad_choice.returncode == 2
-    assert "--weights" in bad_choice.stderr and bad_choice.stdout == ""
-    assert run_cli("no-such-command").returncode == 2
-    assert run_cli("generate").returncode == 2  # missing PROMPT
-    not_a_number = run_cli("generate", "hi", "--temperature", "warm")
-    assert not_a_number.returncode == 2 and "Traceback" not in not_a_number.stderr
+def test_usage_errors_are_one_line_and_exit_2(run_cli):
+    """Usage errors (click's own checks) read like every other bad input: one `error:` line, exit 2."""
+    cases = [(("generate", "hi", "--weights", "bogus"), "--weights"), (("no-such-command",), "no-such-command"),
+             (("generate",), "prompt"), (("generate", "hi", "--temperature", "warm"), "--temperature"),
+             (("generate", "hi", "--max-tokens", "abc"), "--max-tokens"), (("generate", "hi", "--bogus"), "--bogus")]
+    for args, mentioned in cases:
+        proc = run_cli(*args)
+        assert_user_error(proc)
+        assert mentioned in proc.stderr and "--help" in proc.stderr, proc.stderr
+
+
+def test_no_arguments_prints_the_help(run_cli):
+    proc = run_cli()
+    assert "generate" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
