@@ -115,7 +115,7 @@ def token_source(engine, prompt_ids: List[int], params, max_tokens: int, specula
     if not speculation_pays(curve, limit):
         stats.mode = "off"  # verifying several tokens costs as much as decoding them one by one here
         return plain_tokens(engine.model, prompt_ids, params, max_tokens)
-    scheduler = _scheduler(engine, speculative, draft_model, drafter, curve, limit, params)
+    scheduler = _scheduler(engine, speculative, draft_model, drafter, curve, limit, params, block is not None)
     if hasattr(drafter, "worth_drafting"):
         drafter.worth_drafting = scheduler.worth
     return speculative_tokens(engine.model, prompt_ids, params, max_tokens, drafter, scheduler, stats,
@@ -129,7 +129,8 @@ def _drafter_ident(speculative: str, draft_model, drafter) -> Optional[str]:
     return f"draft:{draft_model}" if isinstance(draft_model, str) else None
 
 
-def _scheduler(engine, speculative: str, draft_model, drafter: Drafter, curve, limit: int, params) -> DraftScheduler:
+def _scheduler(engine, speculative: str, draft_model, drafter: Drafter, curve, limit: int, params,
+               per_round: bool) -> DraftScheduler:
     """The DraftScheduler of a request: the one this engine used last time for the same drafter, sampling
     kind and draft limit (what it learned carries over), else a new one; a new scheduler of a model drafter
     starts from its calibration prior (prior.py)."""
@@ -145,8 +146,7 @@ def _scheduler(engine, speculative: str, draft_model, drafter: Drafter, curve, l
         from .prior import drafter_prior
 
         prior = drafter_prior(engine, drafter.model, _drafter_ident(speculative, draft_model, drafter))
-    block = getattr(drafter, "max_draft", None)
-    scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=block is not None, prior=prior)
+    scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=per_round, prior=prior)
     memory[key] = scheduler
     return scheduler
 

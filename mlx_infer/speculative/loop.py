@@ -133,15 +133,22 @@ def _plain_next(max_draft: GammaPolicy, drafter: Drafter, history: List[int]) ->
     return plan(drafter.possible_keys(history) if drafter.free else None)
 
 
+def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams, processors, q):
+    """Lazy (accepted count, next token) of one round: logits [g+1, V] of [pending] + tokens (g ints),
+    q the draft's [g, V] probabilities or None (deterministic drafter)."""
+    processed = process_logits(logits, history, tokens, params, processors)  # [g+1, V]
+    draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
+    if params.greedy:
+        return verify_greedy(draft_arr, processed)
+    return verify_sampling(draft_arr, probabilities(processed), q)
+
+
 def _plain_round(model, cache, taps, token: mx.array, params: SamplingParams):
     """Build (lazily) a plain round on a pending token that is not yet evaluated: [1] uint32 -> (n, next
-    token, taps rows), as the verify of an empty draft."""
+    token, taps rows), as the verify of an empty draft (no logits processors: they need the history)."""
     logits = model(token.astype(mx.uint32).reshape(1, 1), cache=cache)[0].astype(mx.float32)  # [1, V]
     rows = taps.features() if taps is not None else None
-    processed = process_logits(logits, (), (), params)
-    empty = mx.array([], dtype=mx.int32)
-    n, nxt = verify_greedy(empty, processed) if params.greedy else verify_sampling(empty, probabilities(processed), None)
-    return n, nxt, rows
+    return (*_verify(logits, (), [], params, None, None), rows)
 
 
 def speculative_tokens(
@@ -243,15 +250,10 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
                 _trim(cache, len(tokens) - cut)
                 tokens = tokens[:cut]
                 logits = logits[: cut + 1]
-            processed = process_logits(logits, history, tokens, params, processors)  # [g+1, V]
-            draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
-            if params.greedy:
-                n_arr, nxt_arr = verify_greedy(draft_arr, processed)
-            else:
-                q = draft.q[: len(tokens)] if (draft is not None and draft.q is not None) else None
-                if q is not None:
-                    q = _fit_vocab(q, vocab)
-                n_arr, nxt_arr = verify_sampling(draft_arr, probabilities(processed), q)
+            q = None
+            if not params.greedy and draft is not None and draft.q is not None:
+                q = _fit_vocab(draft.q[: len(tokens)], vocab)
+            n_arr, nxt_arr = _verify(logits, history, tokens, params, processors, q)
         g = len(tokens)
         if not tokens and not processors and produced + 1 < max_tokens and _plain_next(max_draft, drafter, history):
             # This round and the next are plain steps: build the next one on this one's lazy token while

@@ -50,7 +50,7 @@ def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
     """measure_prior, cached on disk when the drafter has a stable identity `ident` (a model path, a skip
     set); measured afresh when it is None (a model object handed in by the caller). say: called with a
     line before a measurement that will be cached."""
-    from .schedule import Prior, _curve_key
+    from .schedule import Prior, curve_key
 
     if ident is None:
         return measure_prior(engine, draft)
@@ -59,7 +59,7 @@ def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
         p = measure_prior(engine, draft)
         return {"acceptance": p.acceptance, "draft_cost": p.draft_cost}
 
-    data = cached_json("prior", f"{_curve_key(engine)}|{ident}", compute,
+    data = cached_json("prior", f"{curve_key(engine)}|{ident}", compute,
                        valid=lambda d: 0 <= d["acceptance"] <= 1 and d["draft_cost"] > 0,
                        say=say, message="measuring how often this drafter agrees with the model")
     return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]), PRIOR_FIRST_PROBE)

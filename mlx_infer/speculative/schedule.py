@@ -81,7 +81,9 @@ class CostCurve:
         return {str(k): v for k, v in self.seconds.items()}
 
 
-def _curve_key(engine) -> str:
+def curve_key(engine) -> str:
+    """What a measurement of the target on this machine depends on: model directory, weights mode,
+    backend, BLAS and MLX version (a cache key)."""
     from ..backend import backend_name, blas_in_use
 
     return f"{engine.source.mlx_dir}|{engine.source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
@@ -124,7 +126,7 @@ def cost_curve(engine, max_width: int, say: Optional[Callable[[str], None]] = No
     say: called with a one-line message before a measurement (seconds; not when cached).
     """
     data = cached_json(
-        "cost", _curve_key(engine),
+        "cost", curve_key(engine),
         lambda: {"model": str(engine.source.mlx_dir),
                  "seconds": measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size).to_json()},
         valid=lambda d: max(int(k) for k in d["seconds"]) >= max_width,

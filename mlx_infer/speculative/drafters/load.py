@@ -40,11 +40,10 @@ def block_drafter(mode: str, engine, source) -> Drafter:
         source = loaded[key]
     if mode == "dflash":
         return DFlashDrafter(source, engine.model)
-    model = source
     from ..confidence import ConfidenceSchedule
     from ..schedule import cost_curve
 
-    drafter = DSparkDrafter(model, engine.model)  # checks the fit before any timing
-    if model.has_confidence:
-        drafter.schedule = ConfidenceSchedule(curve=cost_curve(engine, model.block_size + 1))
+    drafter = DSparkDrafter(source, engine.model)  # checks the fit before any timing
+    if source.has_confidence:
+        drafter.schedule = ConfidenceSchedule(curve=cost_curve(engine, source.block_size + 1))
     return drafter
