@@ -13,7 +13,8 @@ For each prompt set in bench/prompts/ (chat, code, math, copy-heavy editing) and
 
 Each prompt runs --repeats times per system (interleaved: A B C .., A B C ..) and the fastest run
 counts, except the two slow peer rows, which run once. Reported per set and temperature: tokens/s
-(greedy: generated tokens / wall time of the request, prefill included; sampling: decode tokens/s after
+(greedy: generated tokens / wall time of the request, prefill included, and beside it the speedup of
+decode tokens/s after the first token, prefill excluded; sampling: decode tokens/s after
 the first token, because sampled answers differ in length and a short one carries more prefill), speedup over our plain decoding, tau (committed tokens per target forward), the per-position
 acceptance of the drafts (in the JSON) and, greedy only, whether every output is token-identical to plain
 decoding.
@@ -209,8 +210,10 @@ def main():
             for name, row in rows.items():
                 metric = "wall" if (temp == 0 or not row["decode_s"]) else "decode"  # no first-token time: wall
                 tps = rate(row, metric)
+                decode_speedup = (rate(row, "decode") / rate(plain, "decode")
+                                  if row["decode_s"] and plain["decode_s"] else None)
                 results.setdefault(str(temp), {}).setdefault(set_name, {})[name] = {
-                    "tokens_per_s": tps, "speedup": tps / rate(plain, metric),
+                    "tokens_per_s": tps, "speedup": tps / rate(plain, metric), "decode_speedup": decode_speedup,
                     "tau": sum(row["taus"]) / len(row["taus"]), "metric": metric,
                     "tokens": row["tokens"],
                     "identical_to_plain": row["identical"] if temp == 0 else None,
@@ -226,17 +229,21 @@ def main():
     for temp, sets in results.items():
         print(f"\ntemperature {temp}")
         names = list(systems)
-        print(f"{'system':<28}" + "".join(f"{s:>22}" for s in sets))
+        print(f"{'system':<28}" + "".join(f"{s:>{29 if float(temp) == 0 else 22}}" for s in sets))
         for name in names:
             cells = []
             for s in sets:
                 r = sets[s][name]
                 same = "" if r["identical_to_plain"] is None else (" =" if r["identical_to_plain"] else " !")
                 wall = "*" if (r["metric"] == "wall" and float(temp) > 0) else ""
-                cells.append(f"{r['tokens_per_s']:6.1f}{wall} {r['speedup']:4.2f}x t{r['tau']:4.2f}{same}")
-            print(f"{name:<28}" + "".join(f"{c:>22}" for c in cells))
+                decode = (f" d{r['decode_speedup']:4.2f}x" if float(temp) == 0 and r["decode_speedup"]
+                          else " " * 7 if float(temp) == 0 else "")
+                cells.append(f"{r['tokens_per_s']:6.1f}{wall} {r['speedup']:4.2f}x{decode} t{r['tau']:4.2f}{same}")
+            width = 29 if float(temp) == 0 else 22
+            print(f"{name:<28}" + "".join(f"{c:>{width}}" for c in cells))
     print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not.\n"
-          "greedy: tokens / wall time, prefill included; sampling: decode tokens/s after the first token\n"
+          "greedy: tokens / wall time, prefill included, then 'd': the speedup of decode tokens/s after the first\n"
+          "token (prefill excluded); sampling: decode tokens/s after the first token\n"
           "(sampled answers differ in length), '*' where no first-token time exists (wall time, against plain's)")
     path = write_result("spec", {"machine": info, "args": vars(args), "results": results})
     print(f"wrote {path}")

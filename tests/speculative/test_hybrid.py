@@ -43,16 +43,17 @@ def test_costly_bucket_is_skipped_then_probed():
     is tried again after PROBE_EVERY rounds, then after twice as many. A free, accurate bucket stays worth it."""
     s = DraftScheduler(CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 9)}), 7, free=True)
     for _ in range(20):
-        s.observe(7, 7, 0.0, 1.0, key=3)
+        s.observe(7, 7, 0.0, s.curve(8), key=3)
     for _ in range(2):
-        s.observe(7, 0, 0.5, 1.0, key=BLOCK_KEY)
+        s.observe(7, 0, 0.5, s.curve(8), key=BLOCK_KEY)
     assert s.key_costs[BLOCK_KEY] == pytest.approx(0.5)
     assert s.worth(3)
     tried = []
     for r in range(4 * PROBE_EVERY):
         worth = s.worth(BLOCK_KEY)
         tried += [r] if worth else []
-        s.observe(7 if worth else 0, 0, 0.5 if worth else 0.0, 1.0, key=BLOCK_KEY if worth else None)
+        s.observe(7 if worth else 0, 0, 0.5 if worth else 0.0, s.curve(8 if worth else 1),
+                  key=BLOCK_KEY if worth else None)
     assert tried == [PROBE_EVERY, PROBE_EVERY + 1 + 2 * PROBE_EVERY]  # PROBE_EVERY plain rounds, then twice as many
     # once proposed, the cost is sunk: cut judges the proposal on acceptance alone
     assert s.cut(Draft(list(range(7)), key=3)) == 7

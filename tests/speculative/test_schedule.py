@@ -49,18 +49,18 @@ def test_speculation_pays_only_when_width_is_cheap():
 def test_scheduler_picks_long_drafts_when_they_are_accepted_and_cheap():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.01 * w for w in range(1, 10)}), max_draft=8)
     for _ in range(60):
-        s.observe(8, 8, 0.0, 1.0)
+        s.observe(8, 8, 0.0, s.curve(9))
     assert s() == 8
 
 
 def test_scheduler_falls_back_to_plain_steps_and_probes():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.5 * (w - 1) for w in range(1, 10)}), max_draft=8)
     for _ in range(60):
-        s.observe(2, 0, 0.01, 1.0)  # every draft rejected at once
+        s.observe(2, 0, 0.01, s.curve(3))  # every draft rejected at once
     choices = []
     for _ in range(PROBE_EVERY + 1):
         choices.append(s())
-        s.observe(0, 0, 0.0, 1.0)  # a plain round
+        s.observe(0, 0, 0.0, s.curve(1))  # a plain round
     assert choices == [0] * PROBE_EVERY + [2]  # after PROBE_EVERY plain rounds a probe refreshes the estimates
 
 
@@ -69,18 +69,18 @@ def test_probes_back_off_while_the_verdict_stands():
     PROBE_MAX); one that finds it worth it again restores drafting at once."""
     s = DraftScheduler(CostCurve({w: 1.0 + 0.5 * (w - 1) for w in range(1, 10)}), max_draft=8)
     for _ in range(30):
-        s.observe(2, 0, 0.01, 1.0)
+        s.observe(2, 0, 0.01, s.curve(3))
     probes = []
     for r in range(PROBE_EVERY * 7 + 3):
         g = s()
         if g:
             probes.append(r)
-        s.observe(g, 0, 0.01 * g, 1.0)
+        s.observe(g, 0, 0.01 * g, s.curve(g + 1))
     first = PROBE_EVERY  # plain rounds, then a probe; then twice as many plain rounds, and so on
     assert probes == [first, first + 1 + 2 * PROBE_EVERY, first + 2 + 6 * PROBE_EVERY]
     assert s.plain_next() is True  # the next round is plain whatever token this one commits
     for _ in range(40):
-        s.observe(2, 2, 0.0, 1.0)
+        s.observe(2, 2, 0.0, s.curve(3))
     assert s() > 0
 
 
@@ -92,7 +92,7 @@ def test_new_request_keeps_a_bounded_memory():
                        prior=Prior(acceptance=0.1, weight=4, draft_cost=0.05))
     assert s() == 0  # the prior alone: not worth drafting
     for _ in range(100):
-        s.observe(4, 4, 0.2, 1.0)
+        s.observe(4, 4, 0.2, s.curve(5))
     s.new_request()
     assert max(s.trials[None]) == pytest.approx(MEMORY_TRIALS)
     assert s.rates()[0] > 0.6 and s() > 0
@@ -100,7 +100,7 @@ def test_new_request_keeps_a_bounded_memory():
 
 def test_scheduler_counts_only_observed_positions():
     s = DraftScheduler(CostCurve({1: 1.0, 9: 1.0}), max_draft=4)
-    s.observe(4, 1, 0.0, 1.0)  # position 0 accepted, 1 rejected, 2..3 never judged
+    s.observe(4, 1, 0.0, s.curve(5))  # position 0 accepted, 1 rejected, 2..3 never judged
     rates = s.rates()
     assert rates[0] > 0.5 and rates[1] < 0.5 and rates[2] == rates[3] == 0.5
 
@@ -110,7 +110,7 @@ def test_scheduler_learns_fast_from_rejections():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 10)}), max_draft=8)
     assert s() == 2  # drafting cost unknown: a short first draft
     for _ in range(4):
-        s.observe(2, 0, 0.6, 1.0)  # rejected at once; each draft token costs 0.3 of a target forward
+        s.observe(2, 0, 0.6, s.curve(3))  # rejected at once; each draft token costs 0.3 of a target forward
     assert s.best_gamma() == 0
 
 
@@ -119,8 +119,8 @@ def test_scheduler_weighs_drafting_cost():
     curve = CostCurve({w: 1.0 for w in range(1, 10)})
     cheap, slow = DraftScheduler(curve, 4), DraftScheduler(curve, 4)
     for _ in range(20):
-        cheap.observe(4, 1, 0.0, 1.0)
-        slow.observe(4, 1, 4.0, 1.0)
+        cheap.observe(4, 1, 0.0, cheap.curve(5))
+        slow.observe(4, 1, 4.0, slow.curve(5))
     assert cheap.best_gamma() >= 1 and slow.best_gamma() == 0
 
 
@@ -160,8 +160,8 @@ def test_free_drafter_asks_for_the_most_and_cuts_per_bucket():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
     assert s() == 8
     for _ in range(30):
-        s.observe(8, 8, 0.0, 1.0, key=3)  # long matches: always accepted
-        s.observe(2, 0, 0.0, 1.0, key=1)  # one-token matches: always rejected
+        s.observe(8, 8, 0.0, s.curve(9), key=3)  # long matches: always accepted
+        s.observe(2, 0, 0.0, s.curve(3), key=1)  # one-token matches: always rejected
     assert s.cut(Draft(list(range(8)), key=3)) == 8
     assert s.cut(Draft(list(range(5)), key=3)) == 5
     assert s.cut(Draft(list(range(8)), key=1)) == 0
@@ -174,8 +174,8 @@ def test_block_drafter_cost_is_per_round():
     good, bad = DraftScheduler(curve, 15, per_round=True), DraftScheduler(curve, 15, per_round=True)
     assert good() == 15  # cost unknown: the first round drafts a block
     for _ in range(40):
-        good.observe(15, 15, 0.3, 1.0)
-        bad.observe(15, 0, 0.3, 1.0)
+        good.observe(15, 15, 0.3, good.curve(16))
+        bad.observe(15, 0, 0.3, bad.curve(16))
     assert good.draft_cost == pytest.approx(0.3)  # seconds per pass, not per token
     assert good() == 15
     assert bad.best_gamma() == 0
@@ -221,5 +221,22 @@ def test_a_calibrated_bad_drafter_is_first_probed_late():
     for r in range(128 + 1 + 256 + 1):
         g = s()
         probes += [r] if g else []
-        s.observe(g, 0, 0.5 * g, 1.0)
+        s.observe(g, 0, 0.5 * g, s.curve(g + 1))
     assert probes == [128, 128 + 1 + 256]
+
+
+def test_observed_verify_times_correct_the_curve():
+    """A curve that says width is nearly free, and rounds that show otherwise: a drafter accepted 20% of
+    the time pays on the curve, and stops paying once drafting rounds are seen to cost 1.3 plain ones."""
+    curve = CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 10)})
+    s = DraftScheduler(curve, max_draft=1, free=True)
+    for i in range(50):  # acceptance 0.2 at the first position, the rounds as dear as the curve says
+        s.observe(1, int(i % 5 == 0), 0.0, curve(2))
+    assert s.best_gamma() == 1
+    for i in range(50):
+        s.observe(1, int(i % 5 == 0), 0.0, 1.3)
+        s.observe(0, 0, 0.0, 1.0)
+    assert s.verify_cost(2) == pytest.approx(1.3, rel=0.02) and s.verify_cost(1) == pytest.approx(1.0)
+    assert s.best_gamma() == 0
+    s.observe(1, 1, 0.0, 60.0)  # one stalled round moves the correction a bounded step
+    assert s.verify_cost(2) < 1.4
