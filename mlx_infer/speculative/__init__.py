@@ -76,13 +76,15 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
         raise MlxInferError("speculative='draft' needs draft_model= (a smaller model with the same tokenizer)")
     from ..engine import Engine
 
-    if isinstance(draft_model, str):
+    if isinstance(draft_model, str):  # loaded and checked once per target Engine
         cache = engine.__dict__.setdefault("_draft_engines", {})
         if draft_model not in cache:
             from .. import load
 
-            cache[draft_model] = load(draft_model, weights=engine.source.weights)
-        draft_model = cache[draft_model]
+            loaded = load(draft_model, weights=engine.source.weights)
+            check_same_vocab(engine.tokenizer, loaded.tokenizer)
+            cache[draft_model] = loaded
+        return DraftModelDrafter(cache[draft_model].model)
     if isinstance(draft_model, Engine):
         check_same_vocab(engine.tokenizer, draft_model.tokenizer)
         draft_model = draft_model.model

@@ -175,8 +175,9 @@ def speculative_tokens(
         stats: SpecStats to fill in (optional).
         cache: the target's per-layer caches to use (made with make_prompt_cache when None); see the
             module docstring for the offset convention.
-        observe: optional callback(gamma_proposed, n_accepted, draft_s, verify_s, key=Draft.key) after every
-            round.
+        observe: optional callback(gamma_proposed, n_accepted, draft_s, verify_s, key=Draft.key, ahead=bool,
+            round_s=seconds) after every round (ahead: a plain round launched before the previous round was
+            read back; round_s: wall time since the previous round's read-back, consumer time included).
 
     Yields:
         int token ids, one at a time (close the generator to stop early; the cache is then rolled back to
@@ -227,9 +228,11 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
     history = list(prompt_ids)  # prompt + committed; history[-1] is pending (not in the cache)
     produced = 0
     ahead = None  # a plain round launched before the previous round was synced: (n, nxt, rows)
+    last_sync = time.perf_counter()  # the previous round's read-back
     while produced < max_tokens:
         t0 = time.perf_counter()
-        if ahead is not None:
+        launched = ahead is not None
+        if launched:
             draft, tokens = None, []
             (n_arr, nxt_arr, rows), ahead = ahead, None
             t1 = t0
@@ -264,6 +267,7 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
         mx.eval(n_arr, nxt_arr)  # the round's one host sync
         n, nxt = int(n_arr.item()), int(nxt_arr.item())
         t2 = time.perf_counter()
+        round_s, last_sync = t2 - last_sync, t2
 
         committed = tokens[:n] + [nxt]
         # the forward appended g+1 tokens; keep history[-1] + tokens[:n] (nxt becomes pending)
@@ -277,7 +281,8 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         if observe is not None:
-            observe(g, n, t1 - t0, t2 - t1, key=draft.key if draft is not None else None)
+            observe(g, n, t1 - t0, t2 - t1, key=draft.key if draft is not None else None, ahead=launched,
+                    round_s=round_s)
 
         for i, tok in enumerate(committed):
             try:

@@ -42,7 +42,7 @@ def measure_prior(engine, draft: nn.Module):
     from .schedule import Prior, measure_cost_curve
 
     tokens = mx.array(engine.tokenizer.encode(CALIBRATION_TEXT))[None]
-    step = measure_cost_curve(draft, 1, engine.tokenizer.vocab_size).seconds[1]
+    step = measure_cost_curve(draft, 1, engine.tokenizer.vocab_size, pipelined=False).seconds[1]
     return Prior(agreement(engine.model, draft, tokens), PRIOR_WEIGHT, step, PRIOR_FIRST_PROBE)
 
 

@@ -21,10 +21,11 @@ The estimates start from a `Prior`: a weak 0.5 by default, a calibration for mod
 or what an earlier request with the same drafter learned (`DraftScheduler.new_request`).
 
 The curve is measured once, forwards in isolation. A round in a request costs more: its logits are
-processed and read back, the context is longer, and a round that drafts cannot be overlapped with the
-previous one as a plain step can. Measured here on the default model, a round verifying 3 tokens cost
-1.22x a plain round where the curve said 1.08x. So the scheduler corrects the curve by the verify times
-it observes, one factor for plain rounds and one for rounds that verify a draft.
+processed and read back, the context is longer, the consumer works between rounds, and a round that
+drafts cannot be overlapped with the previous one as a plain step launched ahead is. Measured here on
+the default model, rounds verifying 2 tokens took 1.2-1.4x the curve's time. So the scheduler corrects
+the curve by the wall time of the rounds it observes (read-back to read-back), one factor for rounds
+that verify a draft and one for plain rounds launched ahead, which it weighs drafting against.
 """
 
 import time
@@ -66,13 +67,22 @@ SCALE_BOUNDS = (0.5, 2.0)
 
 @dataclass
 class CostCurve:
-    """Seconds of one target forward of `width` tokens (width 1 = a plain decoding step).
+    """Seconds of one target forward of `width` tokens, each read back before the next is built (a verify
+    round), and of one plain decoding step when steps are pipelined.
 
     Attributes:
         seconds: {width: seconds} for the measured widths (1 .. max_width).
+        plain_step: seconds per plain decoding step when each step's forward is built while the previous
+            one computes (mlx-lm's generate_step; the loop's rounds launched ahead); None: unknown, taken
+            as seconds[1]. On the CPU backend this is 15-30% less than seconds[1] (measured here).
     """
 
     seconds: Dict[int, float]
+    plain_step: Optional[float] = None
+
+    def plain(self) -> float:
+        """Seconds of a plain decoding step (pipelined when measured so)."""
+        return self.plain_step if self.plain_step is not None else self.seconds[1]
 
     def __call__(self, width: int) -> float:
         known = sorted(self.seconds)
@@ -88,7 +98,8 @@ class CostCurve:
         return self.seconds[lo] * (1 - t) + self.seconds[hi] * t
 
     def to_json(self) -> dict:
-        return {str(k): v for k, v in self.seconds.items()}
+        """{"seconds": {width: seconds}, "plain_step": seconds or None}."""
+        return {"seconds": {str(k): v for k, v in self.seconds.items()}, "plain_step": self.plain_step}
 
 
 def curve_key(engine) -> str:
@@ -99,16 +110,18 @@ def curve_key(engine) -> str:
     return f"{engine.source.mlx_dir}|{engine.source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
 
 
-def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int) -> CostCurve:
+def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int, pipelined: bool = True) -> CostCurve:
     """Time one forward of each width 1..max_width over a COST_CONTEXT-token cache (a few seconds).
 
     Args:
         model: the target (mlx-lm model).
         max_width: widest verify forward to time (gamma + 1).
         vocab_size: token ids are drawn below this.
+        pipelined: also time pipelined plain steps (the target's curve; not needed for a drafter).
 
     Returns:
-        CostCurve with the minimum of COST_REPEATS timings per width, seconds.
+        CostCurve with the minimum of COST_REPEATS timings per width, seconds, and the plain step time
+        (pipelined_step_seconds).
     """
     cache = make_prompt_cache(model)
     tokens = mx.random.randint(0, vocab_size, (1, COST_CONTEXT + max_width), key=mx.random.key(0))
@@ -126,7 +139,38 @@ def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int) -> Cos
                 c.trim(width)
             if rep:
                 seconds[width] = min(seconds[width], elapsed)
-    return CostCurve(seconds)
+    return CostCurve(seconds, pipelined_step_seconds(model, cache) if pipelined else None)
+
+
+#: Plain steps per timing of pipelined decoding.
+PIPELINE_STEPS = 8
+
+
+def pipelined_step_seconds(model: nn.Module, cache: list) -> float:
+    """Seconds per plain greedy decoding step when each step's forward is built on the previous step's
+    lazy token and launched before that token is read back (as mlx-lm's generate_step). The minimum over
+    COST_REPEATS timings of PIPELINE_STEPS steps; `cache` is left as it was given."""
+
+    def step(token: mx.array) -> mx.array:
+        return mx.argmax(model(token.reshape(1, 1), cache=cache)[:, -1], axis=-1).astype(mx.uint32)
+
+    best = float("inf")
+    for rep in range(COST_REPEATS + 1):
+        token = step(mx.array([1], dtype=mx.uint32))
+        mx.async_eval(token)
+        start = time.perf_counter()
+        for _ in range(PIPELINE_STEPS):
+            following = step(token)
+            mx.async_eval(following)
+            token.item()
+            token = following
+        token.item()
+        elapsed = (time.perf_counter() - start) / (PIPELINE_STEPS + 1)
+        for c in cache:
+            c.trim(PIPELINE_STEPS + 1)
+        if rep:
+            best = min(best, elapsed)
+    return best
 
 
 def cost_curve(engine, max_width: int, say: Optional[Callable[[str], None]] = None) -> CostCurve:
@@ -138,11 +182,11 @@ def cost_curve(engine, max_width: int, say: Optional[Callable[[str], None]] = No
     data = cached_json(
         "cost", curve_key(engine),
         lambda: {"model": str(engine.source.mlx_dir),
-                 "seconds": measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size).to_json()},
-        valid=lambda d: max(int(k) for k in d["seconds"]) >= max_width,
+                 **measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size).to_json()},
+        valid=lambda d: max(int(k) for k in d["seconds"]) >= max_width and d.get("plain_step", 0) > 0,
         say=say, message="measuring this model's verify cost by width",
     )
-    return CostCurve({int(k): float(v) for k, v in data["seconds"].items()})
+    return CostCurve({int(k): float(v) for k, v in data["seconds"].items()}, float(data["plain_step"]))
 
 
 def expected_committed(rates: List[float], gamma: int) -> float:
@@ -156,7 +200,7 @@ def expected_committed(rates: List[float], gamma: int) -> float:
 
 def speculation_pays(curve: CostCurve, max_draft: int) -> bool:
     """Whether any gamma in 1..max_draft, fully accepted, beats plain decoding by MIN_GAIN."""
-    plain = 1.0 / curve(1)
+    plain = 1.0 / curve.plain()
     return any((g + 1) / curve(g + 1) > MIN_GAIN * plain for g in range(1, max_draft + 1))
 
 
@@ -223,9 +267,10 @@ class DraftScheduler:
         self.round = 0  # rounds observed
         self.last_try: Dict[Optional[int], int] = {}  # round of each bucket's last verified proposal
         self.misses: Dict[Optional[int], int] = {}  # per bucket: 1 + probes in a row that found it not worth it
-        # observed / curve verify cost, for plain rounds (False) and drafting rounds (True); rounds seen
-        self.scale = {False: 1.0, True: 1.0}
-        self.scale_rounds = {False: 0, True: 0}
+        # observed / curve cost of rounds that draft ("wide"), plain rounds launched ahead ("ahead") and the
+        # other plain rounds ("sync"); rounds seen of each kind
+        self.scale = {"wide": 1.0, "ahead": 1.0, "sync": 1.0}
+        self.scale_rounds = {"wide": 0, "ahead": 0, "sync": 0}
         if prior.first_probe > PROBE_EVERY:  # start further along the back-off
             self.misses[None] = 1 + max(0, (prior.first_probe // PROBE_EVERY).bit_length() - 1)
 
@@ -244,9 +289,11 @@ class DraftScheduler:
         return [(h + self.prior_hits) / (t + self.prior_trials) for h, t in zip(hits, trials)]
 
     def verify_cost(self, width: int) -> float:
-        """Seconds of a round verifying `width` tokens (width 1: a plain round): the curve, corrected by the
-        verify times observed."""
-        return self.curve(width) * self.scale[width > 1]
+        """Seconds of a round verifying `width` tokens (width 1: a plain step, pipelined as the loop runs
+        plain rounds it can launch ahead): the curve, corrected by the rounds observed."""
+        if width > 1:
+            return self.curve(width) * self.scale["wide"]
+        return self.curve.plain() * self.scale["ahead"]
 
     def _drafting(self, g: int, key: Optional[int]) -> float:
         """Seconds of drafting a round of gamma g costs (free mode: the bucket's cost per proposal)."""
@@ -313,21 +360,34 @@ class DraftScheduler:
             return False
         return all(self.best_gamma(k, sunk=True) == 0 and not self._due(k, at) for k in keys)
 
-    def _observe_cost(self, width: int, verify_s: float) -> None:
-        """Move the curve's correction for rounds of this kind toward verify_s / curve(width)."""
-        if verify_s <= 0:
+    def _observe_cost(self, kind: str, seconds: float, predicted: float) -> None:
+        """Move the curve's correction for rounds of `kind` toward seconds / predicted."""
+        if seconds <= 0:
             return
-        wide = width > 1
-        ratio = min(max(verify_s / self.curve(width), SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
-        self.scale_rounds[wide] += 1
-        weight = max(1.0 / (self.scale_rounds[wide] + 1), SCALE_WEIGHT)  # the 1.0 start counts as one round
-        self.scale[wide] += weight * (ratio - self.scale[wide])
+        ratio = min(max(seconds / predicted, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+        self.scale_rounds[kind] += 1
+        weight = max(1.0 / (self.scale_rounds[kind] + 1), SCALE_WEIGHT)  # the 1.0 start counts as one round
+        self.scale[kind] += weight * (ratio - self.scale[kind])
 
-    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None) -> None:
+    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
+                ahead: bool = False, round_s: Optional[float] = None) -> None:
         """Update the estimates after a round that verified `proposed` draft tokens of bucket `key` and kept
-        `accepted` (proposed 0: a plain round); verify_s: the seconds the round's verify took."""
+        `accepted` (proposed 0: a plain round).
+
+        Args:
+            draft_s, verify_s: seconds of its drafting and of its verify (forward to read-back).
+            ahead: a plain round launched before the previous one was read back.
+            round_s: wall seconds since the previous round's read-back (the round's true cost); None: use
+                draft_s + verify_s, and learn nothing from a round launched ahead (its verify_s is a wait).
+        """
         self.round += 1
-        self._observe_cost(proposed + 1, verify_s)
+        if proposed:
+            self._observe_cost("wide", (round_s if round_s is not None else draft_s + verify_s) - draft_s,
+                               self.curve(proposed + 1))
+        elif ahead and round_s is not None:
+            self._observe_cost("ahead", round_s, self.curve.plain())
+        elif not ahead:
+            self._observe_cost("sync", round_s if round_s is not None else verify_s, self.curve(1))
         if not proposed:
             return
         probe = self._due(key, self.round - 1)  # drafted because a probe was due (not a verdict "worth it")

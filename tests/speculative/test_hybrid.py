@@ -27,9 +27,9 @@ def test_greedy_identical_and_both_sources_used(make_tiny, vocab):
         keys = []
         stats = SpecStats()
 
-        def observe(g, n, draft_s, verify_s, key=None):
-            keys.append(key)
-            scheduler.observe(g, n, draft_s, verify_s, key=key)
+        def observe(g, n, draft_s, verify_s, **kw):
+            keys.append(kw.get("key"))
+            scheduler.observe(g, n, draft_s, verify_s, **kw)
 
         out = list(speculative_tokens(target, p, SamplingParams(), 24, drafter, scheduler, stats, observe=observe))
         assert out == base, p
