@@ -128,6 +128,7 @@ def test_measure_cost_curve_times_every_width(make_tiny):
     model = make_tiny(seed=3)
     curve = measure_cost_curve(model, 4, vocab_size=64)
     assert sorted(curve.seconds) == [1, 2, 3, 4]
+    assert 0 < curve.plain() == curve.plain_step
     assert all(t > 0 for t in curve.seconds.values())
 
 
@@ -235,8 +236,26 @@ def test_observed_verify_times_correct_the_curve():
     assert s.best_gamma() == 1
     for i in range(50):
         s.observe(1, int(i % 5 == 0), 0.0, 1.3)
-        s.observe(0, 0, 0.0, 1.0)
+        s.observe(0, 0, 0.0, 1.0)  # a plain round read back before the next: not what drafting is weighed against
     assert s.verify_cost(2) == pytest.approx(1.3, rel=0.02) and s.verify_cost(1) == pytest.approx(1.0)
     assert s.best_gamma() == 0
     s.observe(1, 1, 0.0, 60.0)  # one stalled round moves the correction a bounded step
     assert s.verify_cost(2) < 1.4
+
+
+def test_drafting_is_weighed_against_the_pipelined_plain_step():
+    """Plain rounds launched ahead cost what the curve's pipelined step says, corrected by their wall time
+    (round_s; their verify_s is only a wait). Acceptance 0.3 pays against a plain step read back each time,
+    not against the cheaper pipelined one."""
+    curve = CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}, plain_step=0.8)
+    s = DraftScheduler(curve, max_draft=1, free=True)
+    for i in range(50):
+        s.observe(1, int(i % 10 < 3), 0.0, curve(2))
+    assert s.verify_cost(1) == pytest.approx(0.8) and s.best_gamma() == 0
+    assert DraftScheduler(CostCurve(dict(curve.seconds)), max_draft=1).verify_cost(1) == 1.0  # unmeasured: seconds[1]
+    for _ in range(50):
+        s.observe(0, 0, 0.0, 0.01, ahead=True)  # the wait alone teaches nothing
+    assert s.verify_cost(1) == pytest.approx(0.8)
+    for _ in range(50):
+        s.observe(0, 0, 0.0, 0.01, ahead=True, round_s=1.0)
+    assert s.verify_cost(1) == pytest.approx(1.0, rel=0.02) and s.best_gamma() == 1
