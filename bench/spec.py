@@ -23,6 +23,7 @@ The draft model is cut from the target (its first --draft-layers layers + final 
 smaller sibling of the default model exists here.
 
 Usage: python bench/spec.py [--model PATH] [--limit 4] [--max-tokens 48] [--sets chat,code,math,copy] [--repeats 2]
+       [--modes lookup,draft,layerskip,dflash,auto] [--per-prompt]
 Prints a table per temperature and writes bench/results/spec-*.json.
 """
 
@@ -142,6 +143,8 @@ def main():
     ap.add_argument("--modes", default="lookup,draft,layerskip,dflash,auto")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of each prompt per system, interleaved; the fastest counts (peers: one run)")
+    ap.add_argument("--per-prompt", action="store_true",
+                    help="also print each prompt's speedups (with prefill / d: decode only) and tau")
     args = ap.parse_args()
     max_draft = args.max_draft if args.max_draft == "auto" else int(args.max_draft)
 
@@ -188,6 +191,13 @@ def main():
                             rows[name]["identical"] = False
                         if name not in best or out["seconds"] < best[name]["seconds"]:
                             best[name] = out
+                if args.per_prompt:
+                    base = best["plain (mlx-infer)"]
+                    print(f"{set_name} #{i} ({len(base['tokens'])} tokens, temp {temp}): " + ", ".join(
+                        f"{name.replace(' (mlx-infer)', '')} {base['seconds'] / out['seconds']:.2f}x"
+                        + (f"/d{(base['seconds'] - base['first_s']) / (out['seconds'] - out['first_s']):.2f}x"
+                           if out.get("first_s") is not None else "") + f" t{out['tau']:.2f}"
+                        for name, out in best.items() if name != "plain (mlx-infer)"), flush=True)
                 for name, out in best.items():
                     row = rows[name]
                     row["tokens"] += len(out["tokens"])

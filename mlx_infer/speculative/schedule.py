@@ -22,8 +22,9 @@ or what an earlier request with the same drafter learned (`DraftScheduler.new_re
 
 The curve is measured once, forwards in isolation. A round in a request costs more: its logits are
 processed and read back, the context is longer, the consumer works between rounds, and a round that
-drafts cannot be overlapped with the previous one as a plain step launched ahead is. Measured here on
-the default model, rounds verifying 2 tokens took 1.2-1.4x the curve's time. So the scheduler corrects
+drafts cannot be overlapped with the previous one as a plain step launched ahead is; and a curve measured
+on a busy machine is off by itself (two measurements of the default model here put a single-token forward
+at 72 and 95 ms). So the scheduler corrects
 the curve by the wall time of the rounds it observes (read-back to read-back), one factor for rounds
 that verify a draft and one for plain rounds launched ahead, which it weighs drafting against.
 """
@@ -74,7 +75,8 @@ class CostCurve:
         seconds: {width: seconds} for the measured widths (1 .. max_width).
         plain_step: seconds per plain decoding step when each step's forward is built while the previous
             one computes (mlx-lm's generate_step; the loop's rounds launched ahead); None: unknown, taken
-            as seconds[1]. On the CPU backend this is 15-30% less than seconds[1] (measured here).
+            as seconds[1]. On the CPU backend here it is about 10% less than seconds[1] (default model:
+            65 against 72 ms).
     """
 
     seconds: Dict[int, float]
@@ -315,7 +317,11 @@ class DraftScheduler:
         return max(range(top + 1), key=rate)
 
     def _due(self, key: Optional[int], at: int) -> bool:
-        """Whether bucket `key`, not worth drafting, is to be probed at round `at`."""
+        """Whether bucket `key`, not worth drafting, is to be probed at round `at`: at once when it was never
+        tried by a free drafter (its first proposal from a bucket is verified: that costs little and is how
+        the bucket's estimate starts from data rather than the prior)."""
+        if self.free and key not in self.last_try and key not in self.misses:
+            return True
         wait = min(PROBE_EVERY * 2 ** max(0, self.misses.get(key, 1) - 1), PROBE_MAX)
         return at - self.last_try.get(key, 0) >= wait
 

@@ -259,3 +259,15 @@ def test_drafting_is_weighed_against_the_pipelined_plain_step():
     for _ in range(50):
         s.observe(0, 0, 0.0, 0.01, ahead=True, round_s=1.0)
     assert s.verify_cost(1) == pytest.approx(1.0, rel=0.02) and s.best_gamma() == 1
+
+
+def test_a_free_drafters_new_bucket_is_tried_at_once():
+    """Even where the prior alone does not pay (a steep curve), the first proposal from a bucket is verified
+    (a short probe); after that the bucket waits its turn like any other."""
+    from mlx_infer.speculative.drafters.base import Draft
+
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.6 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
+    assert s.best_gamma(3, sunk=True) == 0
+    assert s.cut(Draft(list(range(8)), key=3)) == 2
+    s.observe(2, 0, 0.0, s.curve(3), key=3)
+    assert s.cut(Draft(list(range(8)), key=3)) == 0
