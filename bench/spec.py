@@ -239,17 +239,17 @@ def main():
     for temp, sets in results.items():
         print(f"\ntemperature {temp}")
         names = list(systems)
-        print(f"{'system':<28}" + "".join(f"{s:>{29 if float(temp) == 0 else 22}}" for s in sets))
+        greedy = float(temp) == 0
+        width = 29 if greedy else 22  # greedy cells add the decode speedup
+        print(f"{'system':<28}" + "".join(f"{s:>{width}}" for s in sets))
         for name in names:
             cells = []
             for s in sets:
                 r = sets[s][name]
                 same = "" if r["identical_to_plain"] is None else (" =" if r["identical_to_plain"] else " !")
                 wall = "*" if (r["metric"] == "wall" and float(temp) > 0) else ""
-                decode = (f" d{r['decode_speedup']:4.2f}x" if float(temp) == 0 and r["decode_speedup"]
-                          else " " * 7 if float(temp) == 0 else "")
+                decode = (f" d{r['decode_speedup']:4.2f}x" if r["decode_speedup"] else " " * 7) if greedy else ""
                 cells.append(f"{r['tokens_per_s']:6.1f}{wall} {r['speedup']:4.2f}x{decode} t{r['tau']:4.2f}{same}")
-            width = 29 if float(temp) == 0 else 22
             print(f"{name:<28}" + "".join(f"{c:>{width}}" for c in cells))
     print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not.\n"
           "greedy: tokens / wall time, prefill included, then 'd': the speedup of decode tokens/s after the first\n"

@@ -24,9 +24,9 @@ The curve is measured once, forwards in isolation. A round in a request costs mo
 processed and read back, the context is longer, the consumer works between rounds, and a round that
 drafts cannot be overlapped with the previous one as a plain step launched ahead is; and a curve measured
 on a busy machine is off by itself (two measurements of the default model here put a single-token forward
-at 72 and 95 ms). So the scheduler corrects
-the curve by the wall time of the rounds it observes (read-back to read-back), one factor for rounds
-that verify a draft and one for plain rounds launched ahead, which it weighs drafting against.
+at 72 and 95 ms). So the scheduler corrects the curve by the wall time of the rounds it observes
+(read-back to read-back), one factor for rounds that verify a draft and one for plain rounds launched
+ahead, which it weighs drafting against.
 """
 
 import time
@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..defaults import DEFAULT_MAX_DRAFT
@@ -149,29 +150,18 @@ PIPELINE_STEPS = 8
 
 
 def pipelined_step_seconds(model: nn.Module, cache: list) -> float:
-    """Seconds per plain greedy decoding step when each step's forward is built on the previous step's
-    lazy token and launched before that token is read back (as mlx-lm's generate_step). The minimum over
-    COST_REPEATS timings of PIPELINE_STEPS steps; `cache` is left as it was given."""
-
-    def step(token: mx.array) -> mx.array:
-        return mx.argmax(model(token.reshape(1, 1), cache=cache)[:, -1], axis=-1).astype(mx.uint32)
-
+    """Seconds per greedy step of plain decoding as the Engine runs it (mlx-lm's generate_step, each step
+    launched before the previous token is read back): the minimum over COST_REPEATS timings of
+    PIPELINE_STEPS steps after the first; `cache` is left holding what it held."""
     best = float("inf")
     for rep in range(COST_REPEATS + 1):
-        token = step(mx.array([1], dtype=mx.uint32))
-        mx.async_eval(token)
-        start = time.perf_counter()
-        for _ in range(PIPELINE_STEPS):
-            following = step(token)
-            mx.async_eval(following)
-            token.item()
-            token = following
-        token.item()
-        elapsed = (time.perf_counter() - start) / (PIPELINE_STEPS + 1)
+        held = cache[0].offset
+        times = [time.perf_counter() for _ in generate_step(mx.array([1]), model, max_tokens=PIPELINE_STEPS + 1,
+                                                            prompt_cache=cache)]
         for c in cache:
-            c.trim(PIPELINE_STEPS + 1)
+            c.trim(c.offset - held)
         if rep:
-            best = min(best, elapsed)
+            best = min(best, (times[-1] - times[0]) / PIPELINE_STEPS)
     return best
 
 
@@ -269,10 +259,10 @@ class DraftScheduler:
         self.round = 0  # rounds observed
         self.last_try: Dict[Optional[int], int] = {}  # round of each bucket's last verified proposal
         self.misses: Dict[Optional[int], int] = {}  # per bucket: 1 + probes in a row that found it not worth it
-        # observed / curve cost of rounds that draft ("wide"), plain rounds launched ahead ("ahead") and the
-        # other plain rounds ("sync"); rounds seen of each kind
-        self.scale = {"wide": 1.0, "ahead": 1.0, "sync": 1.0}
-        self.scale_rounds = {"wide": 0, "ahead": 0, "sync": 0}
+        # observed / curve cost of rounds that draft ("wide") and of plain rounds launched ahead ("ahead"),
+        # what drafting is weighed against; rounds seen of each kind
+        self.scale = {"wide": 1.0, "ahead": 1.0}
+        self.scale_rounds = {"wide": 0, "ahead": 0}
         if prior.first_probe > PROBE_EVERY:  # start further along the back-off
             self.misses[None] = 1 + max(0, (prior.first_probe // PROBE_EVERY).bit_length() - 1)
 
@@ -388,12 +378,9 @@ class DraftScheduler:
         """
         self.round += 1
         if proposed:
-            self._observe_cost("wide", (round_s if round_s is not None else draft_s + verify_s) - draft_s,
-                               self.curve(proposed + 1))
+            self._observe_cost("wide", round_s - draft_s if round_s is not None else verify_s, self.curve(proposed + 1))
         elif ahead and round_s is not None:
             self._observe_cost("ahead", round_s, self.curve.plain())
-        elif not ahead:
-            self._observe_cost("sync", round_s if round_s is not None else verify_s, self.curve(1))
         if not proposed:
             return
         probe = self._due(key, self.round - 1)  # drafted because a probe was due (not a verdict "worth it")
