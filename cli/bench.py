@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mlx_infer.errors import MlxInferError
+from mlx_infer.speculative import MODEL_MODES
 
 from .errors import user_errors
-from .options import MaxDraftOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, spec_kwargs
+from .options import DraftModelOpt, MaxDraftOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, spec_kwargs
 from .progress import load_engine
 
 DEFAULT_PROMPT = ("Repeat this list, then add two more fruits to it: apples, bananas, cherries, dates, "
@@ -30,6 +31,7 @@ def bench(
     trials: Annotated[int, typer.Option("--trials", "-t", help="Trials per mode; the median is reported.")] = 3,
     spec: Annotated[Optional[List[str]], typer.Option(
         "--spec", help="Modes to compare (repeatable); default: off and auto.")] = None,
+    draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
     weights: WeightsOpt = Weights.auto,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
@@ -43,8 +45,10 @@ def bench(
     with user_errors(verbose):
         if trials < 1 or max_tokens < 1:
             raise MlxInferError("--trials and --max-tokens must be >= 1")
-        modes = spec or ["off", "auto"]
-        kwargs = {m: spec_kwargs(m, None, max_draft) for m in modes}
+        modes = [m.strip().lower() for m in spec] if spec else ["off", "auto"]
+        kwargs = {m: spec_kwargs(m, draft_model if m in MODEL_MODES else None, max_draft) for m in modes}
+        if draft_model and not any(m in MODEL_MODES for m in modes):
+            raise MlxInferError(f"--draft-model needs a --spec that uses it ({', '.join(MODEL_MODES)})")
         engine = load_engine(model, weights.value, verbose)
         runs = {m: [] for m in modes}
         for m in modes:  # warm-up (compile; measure the verify cost curve once)

@@ -8,7 +8,7 @@ import typer
 from mlx_infer.defaults import MAX_TOKENS
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.sampling import SamplingParams
-from mlx_infer.speculative import MODES, check_max_draft
+from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
 SAMPLING = "Sampling"
 MODEL = "Model"
@@ -59,7 +59,8 @@ SpecOpt = Annotated[str, typer.Option(
          "tokens costs as much as decoding them; off is plain decoding.")]
 DraftModelOpt = Annotated[Optional[str], typer.Option(
     "--draft-model", metavar="MODEL", rich_help_panel=SPEC,
-    help="A smaller model with the same tokenizer, for --spec draft (or auto).")]
+    help="For --spec draft (or auto): a smaller model with the same tokenizer; for --spec dflash / dspark: "
+         "a drafter directory or repo id.")]
 MaxDraftOpt = Annotated[str, typer.Option(
     "--max-draft", metavar="auto|N", rich_help_panel=SPEC,
     help="Draft tokens per round: auto (chosen each round from measured costs and acceptance) or a fixed N.")]
@@ -129,4 +130,7 @@ def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
         raise MlxInferError(f"--spec must be one of {', '.join(MODES)}, got {spec!r}")
     if mode == "draft" and not draft_model:
         raise MlxInferError("--spec draft needs --draft-model MODEL (a smaller model with the same tokenizer)")
+    if draft_model and mode not in MODEL_MODES:
+        raise MlxInferError(f"--spec {mode} uses no --draft-model; drop it, or pick --spec "
+                            f"{', '.join(MODEL_MODES)}")
     return {"speculative": mode, "draft_model": draft_model, "max_draft": value}

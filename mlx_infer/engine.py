@@ -170,9 +170,14 @@ class Engine:
             max_draft: draft tokens per round, an int >= 0 or "auto".
 
         Raises:
-            MlxInferError: bad parameters, empty prompt, or a prompt that fills the context window.
+            MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, or a
+                draft_model given to a mode that uses none ("off", "lookup", "layerskip").
         """
         params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
+        if draft_model is not None:
+            from .speculative import check_draft_model
+
+            check_draft_model(speculative, draft_model)
         prompt_ids = self.encode(prompt, system, chat_template)
         room = self.context_length - len(prompt_ids)
         if room <= 0:

@@ -11,6 +11,10 @@ from typing import List
 
 import pytest
 
+# Before any test module imports mlx.core: importing mlx_infer first loads the optimized BLAS (the CPU
+# fast path users get); imported later, MLX keeps its bundled reference BLAS, about 10x slower.
+import mlx_infer  # noqa: E402,F401
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 if str(TESTS) not in sys.path:

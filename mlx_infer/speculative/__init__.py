@@ -20,14 +20,19 @@ from ..defaults import DEFAULT_MAX_DRAFT
 from ..errors import MlxInferError
 from ..generation.decode import plain_tokens
 from .drafters import Drafter, DraftModelDrafter, LookupDrafter, check_same_vocab, cut_draft_model
+from .drafters.block import BlockDrafter
 from .drafters.hybrid import LookupThenBlock
 from .loop import SpecStats, check_rollback, speculative_tokens
 from .schedule import DraftScheduler, cost_curve, speculation_pays
 
 MODES = ("off", "auto", "lookup", "draft", "layerskip", "dflash", "dspark")
 
-__all__ = ["MODES", "SpecStats", "speculative_tokens", "token_source", "make_drafter", "cut_draft_model", "prepare",
-           "check_max_draft", "Drafter", "LookupDrafter", "DraftModelDrafter"]
+#: The modes that draft with a model given as draft_model (the others draft from the context or the target).
+MODEL_MODES = ("auto", "draft", "dflash", "dspark")
+
+__all__ = ["MODES", "MODEL_MODES", "SpecStats", "speculative_tokens", "token_source", "make_drafter",
+           "cut_draft_model", "prepare", "check_max_draft", "check_draft_model", "Drafter", "LookupDrafter",
+           "DraftModelDrafter"]
 
 
 def check_max_draft(max_draft) -> None:
@@ -38,28 +43,39 @@ def check_max_draft(max_draft) -> None:
         raise MlxInferError(f"max_draft must be 'auto' or an integer >= 0, got {max_draft!r}")
 
 
+def check_draft_model(mode: str, draft_model) -> None:
+    """Raise MlxInferError when a draft model is given to a mode that would not use it (off, lookup,
+    layerskip), rather than ignore it or load it for nothing."""
+    if draft_model is not None and mode not in MODEL_MODES:
+        raise MlxInferError(f"speculative={mode!r} uses no draft model; drop draft_model or use one of "
+                            f"{', '.join(MODEL_MODES)}")
+
+
 def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
     """The drafter for a mode.
 
     Args:
         mode: "lookup", "draft", "layerskip" (arXiv 2309.08168), "dflash", "dspark" or "auto" (a draft model
             when one is given; else lookup backed by the target's registered drafter (registry.py,
-            drafters/hybrid.py) when it is available locally; else lookup).
+            drafters/hybrid.py) when it is available locally and its calibration prior says it can pay on
+            this machine (prior.block_pays, measured once and cached); else lookup).
         engine: the target Engine (its tokenizer is checked against a draft model's).
         draft_model: for "draft": a model path / repo id (str), an Engine, or an mlx-lm nn.Module that shares
             the target's tokenizer (trusted as is). For "dflash" / "dspark": a drafter directory or repo id,
             a DFlashModel / DSparkModel, or a ready drafter.
 
     Raises:
-        MlxInferError: unknown mode, a missing or incompatible draft model.
+        MlxInferError: unknown mode, a missing or incompatible draft model, a draft model the mode does not use.
     """
     if mode not in MODES or mode == "off":
         raise MlxInferError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
+    check_draft_model(mode, draft_model)
     if mode == "auto" and draft_model is None:
+        from .prior import block_pays
         from .registry import registered_drafter
 
         block = registered_drafter(engine)
-        return LookupThenBlock(block) if block is not None else LookupDrafter()
+        return LookupThenBlock(block) if block is not None and block_pays(engine, block) else LookupDrafter()
     if mode == "lookup" and draft_model is None:
         return LookupDrafter()
     if mode == "layerskip":
@@ -148,6 +164,10 @@ def _scheduler(engine, speculative: str, draft_model, drafter: Drafter, curve, l
         from .prior import drafter_prior
 
         prior = drafter_prior(engine, drafter.model, _drafter_ident(speculative, draft_model, drafter))
+    elif isinstance(drafter, BlockDrafter):
+        from .prior import block_prior
+
+        prior = block_prior(engine, drafter)
     scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=per_round, prior=prior)
     memory[key] = scheduler
     return scheduler
@@ -166,6 +186,13 @@ def prepare(engine, speculative: str, max_draft: Union[str, int] = "auto",
         from .drafters.layerskip import cached_skip_set
 
         cached_skip_set(engine, say)
+    if speculative == "auto" and draft_model is None:
+        from .prior import block_pays
+        from .registry import registered_drafter
+
+        block = registered_drafter(engine)
+        if block is not None:
+            block_pays(engine, block, say)
     if max_draft == "auto":
         cost_curve(engine, DEFAULT_MAX_DRAFT + 1, say)
         if speculative == "layerskip" or (speculative in ("draft", "auto") and isinstance(draft_model, str)):
@@ -173,3 +200,7 @@ def prepare(engine, speculative: str, max_draft: Union[str, int] = "auto",
 
             drafter = make_drafter(speculative, engine, draft_model)
             drafter_prior(engine, drafter.model, _drafter_ident(speculative, draft_model, drafter), say)
+        elif speculative == "dflash":
+            from .prior import block_prior
+
+            block_prior(engine, make_drafter(speculative, engine, draft_model), say)

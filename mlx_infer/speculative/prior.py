@@ -1,10 +1,13 @@
-"""What a model drafter (a draft model, layer skip) is worth before any request: its teacher-forced
-agreement with the target on a fixed calibration text (the acceptance of a first draft token under
-greedy verification) and the seconds of one drafting step, measured once and cached per target, drafter
-and machine. The scheduler starts from this prior instead of paying probe rounds to learn it.
+"""What a model drafter (a draft model, layer skip, a DFlash / DSpark block drafter) is worth before any
+request: its teacher-forced agreement with the target on a fixed calibration text (the acceptance of a
+first draft token under greedy verification) and the seconds of one drafting step (one drafting pass for a
+block drafter), measured once and cached per target, drafter and machine. The scheduler starts from this
+prior instead of paying probe rounds to learn it, and `auto` leaves out a block drafter whose prior says it
+cannot pay (`block_pays`).
 """
 
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,17 +49,91 @@ def measure_prior(engine, draft: nn.Module):
     return Prior(agreement(engine.model, draft, tokens), PRIOR_WEIGHT, step, PRIOR_FIRST_PROBE)
 
 
+#: Timed drafting passes of a block drafter (the minimum is kept).
+BLOCK_COST_REPEATS = 5
+
+
+def block_agreement(engine, drafter, tokens: mx.array, stride: int = 2) -> float:
+    """Fraction of anchors a (every `stride`-th position of `tokens`, [1, L] int) where a block drafter
+    (DFlash / DSpark), given the target's taps of positions 0..a-1 and the anchor tokens[a], drafts as its
+    first token the target's argmax after position a. Runs one target forward with taps and one drafting
+    pass per anchor; leaves the drafter to be started again with `begin`."""
+    from .capture import TargetTaps
+
+    with TargetTaps(engine.model, drafter.target_layer_ids) as taps:
+        target_next = mx.argmax(engine.model(tokens), axis=-1)[0]  # [L]
+        feats = taps.features()  # [1, L, n*H]
+    mx.eval(target_next, feats)
+    ids, wanted = tokens[0].tolist(), target_next.tolist()
+    drafter.begin(ids[:1], None)
+    anchors = range(0, len(ids) - 1, stride)
+    same = 0
+    for a in anchors:
+        draft = drafter.propose(ids[: a + 1], 1).tokens
+        same += bool(draft) and draft[0] == wanted[a]
+        step = ids[a + 1 : a + 1 + stride]  # committed as if the drafts were accepted
+        drafter.update(len(step) - 1, step, hidden=feats[:, a : a + len(step)])
+    return same / max(1, len(anchors))
+
+
+def block_pass_seconds(drafter, context: list) -> float:
+    """Seconds of one full-block drafting pass (the minimum of BLOCK_COST_REPEATS) over a drafter whose
+    context already holds `context` but its last token."""
+    best = float("inf")
+    for _ in range(BLOCK_COST_REPEATS + 1):  # the first pass compiles the block shape: not kept
+        start = time.perf_counter()
+        drafter.propose(context, drafter.max_draft)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_block_prior(engine, drafter):
+    """Prior of a block drafter for the Engine's target: acceptance = block_agreement on CALIBRATION_TEXT,
+    draft cost = seconds of one drafting pass (block_pass_seconds).
+
+    Returns:
+        schedule.Prior with weight PRIOR_WEIGHT and first probe after PRIOR_FIRST_PROBE rounds.
+    """
+    from .schedule import Prior
+
+    ids = engine.tokenizer.encode(CALIBRATION_TEXT)
+    acceptance = block_agreement(engine, drafter, mx.array(ids)[None])
+    return Prior(acceptance, PRIOR_WEIGHT, block_pass_seconds(drafter, ids), PRIOR_FIRST_PROBE)
+
+
+def block_prior(engine, drafter, say=None):
+    """measure_block_prior, cached on disk when the drafter has a stable identity (`drafter.ident`, set when
+    it was loaded from a directory: drafters/load.py)."""
+    return cached_prior(engine, getattr(drafter, "ident", None), lambda: measure_block_prior(engine, drafter), say)
+
+
+def block_pays(engine, drafter, say=None) -> bool:
+    """Whether a block drafter, judged by its prior on the target's cost curve, is worth drafting with at all
+    (some draft length beats a plain step): `auto` leaves it out otherwise."""
+    from ..defaults import DEFAULT_MAX_DRAFT
+    from .schedule import DraftScheduler, cost_curve
+
+    curve = cost_curve(engine, max(drafter.max_draft, DEFAULT_MAX_DRAFT) + 1, say)  # the width auto measures
+    prior = block_prior(engine, drafter, say)
+    return DraftScheduler(curve, drafter.max_draft, per_round=True, prior=prior).best_gamma() > 0
+
+
 def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
-    """measure_prior, cached on disk when the drafter has a stable identity `ident` (a model path, a skip
-    set); measured afresh when it is None (a model object handed in by the caller). say: called with a
-    line before a measurement that will be cached."""
+    """measure_prior of a draft model or layer skip (see cached_prior)."""
+    return cached_prior(engine, ident, lambda: measure_prior(engine, draft), say)
+
+
+def cached_prior(engine, ident: Optional[str], measure: Callable, say=None):
+    """measure() (a schedule.Prior), cached on disk when the drafter has a stable identity `ident` (a model
+    path, a skip set, a drafter directory); measured afresh when it is None (a model object handed in by the
+    caller). say: called with a line before a measurement that will be cached."""
     from .schedule import Prior, curve_key
 
     if ident is None:
-        return measure_prior(engine, draft)
+        return measure()
 
     def compute() -> dict:
-        p = measure_prior(engine, draft)
+        p = measure()
         return {"acceptance": p.acceptance, "draft_cost": p.draft_cost}
 
     data = cached_json("prior", f"{curve_key(engine)}|{ident}", compute,

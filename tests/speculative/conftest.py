@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-import mlx_infer  # noqa: F401  (preloads the optimized BLAS before MLX runs)
+import mlx_infer  # noqa: F401  (tests/conftest.py imported it first: the optimized BLAS is loaded)
 
 
 def tiny_llama(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 32, scale: float = 1.0):

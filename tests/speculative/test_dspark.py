@@ -149,3 +149,6 @@ def test_make_drafter_modes(tmp_path, target):
     assert make_drafter("dspark", engine, ready) is ready
     with pytest.raises(MlxInferError, match="no dflash drafter is known for this model; pass --draft-model"):
         make_drafter("dflash", engine, None)  # nothing registered for "tiny"
+    for mode in ("lookup", "layerskip"):  # modes that draft without a model refuse one instead of loading it
+        with pytest.raises(MlxInferError, match=f"speculative='{mode}' uses no draft model"):
+            make_drafter(mode, engine, str(tmp_path))

@@ -9,7 +9,18 @@ from hypothesis import strategies as st
 
 from mlx_infer.speculative.drafters.hybrid import BLOCK_KEY, LookupThenBlock
 from mlx_infer.speculative.drafters.lookup import LookupDrafter
-from mlx_infer.speculative.prior import PRIOR_WEIGHT, drafter_prior, measure_prior
+import mlx.core as mx
+import pytest
+from block_drafters import random_dflash
+
+from mlx_infer import speculative
+from mlx_infer.speculative import prior as prior_mod
+from mlx_infer.speculative.capture import TargetTaps
+from mlx_infer.speculative.drafters.base import Draft, Drafter
+from mlx_infer.speculative.drafters.dflash import DFlashDrafter
+from mlx_infer.speculative.prior import (PRIOR_FIRST_PROBE, PRIOR_WEIGHT, block_agreement, block_pays, drafter_prior,
+                                         measure_block_prior, measure_prior)
+from mlx_infer.speculative.schedule import CostCurve, Prior
 
 
 def fake_engine(model, tmp_path):
@@ -38,6 +49,75 @@ def test_prior_is_cached_per_drafter_identity(target, weak_drafter_model, tmp_pa
     assert drafter_prior(engine, target, "draft:/y").acceptance == 1.0
     assert drafter_prior(engine, target, None).acceptance == 1.0
     assert len(list((tmp_path / "prior").glob("*.json"))) == 2
+
+
+class OracleBlock(Drafter):
+    """A block drafter that drafts the target's own greedy token (it runs the target on the context)."""
+
+    wants_hidden = True
+    target_layer_ids = [0]
+    max_draft = 3
+
+    def __init__(self, target):
+        self.target = target
+
+    def begin(self, prompt_ids, params, hidden=None):
+        self.rows = 0 if hidden is None else hidden.shape[1]
+
+    def propose(self, context, gamma):
+        assert self.rows == len(context) - 1  # fed the taps of every committed token but the anchor
+        return Draft([mx.argmax(self.target(mx.array(context)[None])[0, -1]).item()][:gamma])
+
+    def update(self, n_accepted, committed, hidden=None):
+        assert hidden.shape[1] == len(committed) == n_accepted + 1
+        self.rows += hidden.shape[1]
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_block_agreement_is_one_for_the_target_and_matches_fresh_drafters(make_tiny, tmp_path, stride):
+    """An oracle drafter agrees everywhere (the anchors and taps line up); a random DFlash drafter fed its
+    context incrementally agrees exactly where a fresh drafter given the same taps at once does."""
+    target = make_tiny(seed=1, vocab=8, scale=3.0)  # a small vocabulary: a random drafter is sometimes right
+    engine = fake_engine(target, tmp_path)
+    tokens = mx.array([(5 * i * i + 3 * i) % 8 for i in range(40)])[None]
+    assert block_agreement(engine, OracleBlock(target), tokens, stride) == 1.0
+    model = random_dflash(seed=7, vocab=8, block=4)
+    got = block_agreement(engine, DFlashDrafter(model, target), tokens, stride)
+    with TargetTaps(target, model.target_layer_ids) as taps:
+        wanted = mx.argmax(target(tokens), axis=-1)[0].tolist()
+        feats = taps.features()
+    ids, same, anchors = tokens[0].tolist(), 0, range(0, tokens.shape[1] - 1, stride)
+    for a in anchors:
+        fresh = DFlashDrafter(model, target)
+        fresh.begin(ids[: a + 1], None, hidden=feats[:, :a] if a else None)
+        same += fresh.propose(ids[: a + 1], 1).tokens[0] == wanted[a]
+    assert 0 < same < len(anchors)  # a random drafter: neither always right nor always wrong here
+    assert got == pytest.approx(same / len(anchors))
+
+
+def test_block_prior_measures_a_drafting_pass(target, tmp_path):
+    prior = measure_block_prior(fake_engine(target, tmp_path), DFlashDrafter(random_dflash(seed=7), target))
+    assert 0 <= prior.acceptance < 0.5 and prior.draft_cost > 0
+    assert prior.weight == PRIOR_WEIGHT and prior.first_probe == PRIOR_FIRST_PROBE
+
+
+@pytest.mark.parametrize("acceptance, draft_cost, pays", [(0.9, 0.1, True), (0.05, 0.1, False), (0.9, 5.0, False)])
+def test_auto_leaves_out_a_block_drafter_that_cannot_pay(target, tmp_path, monkeypatch, acceptance, draft_cost, pays):
+    """auto backs lookup with the registered block drafter only when the drafter's prior, on the cost curve,
+    makes some draft length beat a plain step."""
+    from mlx_infer.speculative import registry, schedule
+    from mlx_infer.speculative.drafters.hybrid import LookupThenBlock
+
+    block = DFlashDrafter(random_dflash(seed=7), target)
+    monkeypatch.setattr(schedule, "cost_curve", lambda engine, width, say=None: CostCurve(
+        {w: 1.0 + 0.1 * (w - 1) for w in range(1, width + 1)}, 1.0))
+    monkeypatch.setattr(prior_mod, "block_prior", lambda engine, drafter, say=None: Prior(acceptance, 4.0, draft_cost))
+    monkeypatch.setattr(registry, "registered_drafter", lambda engine: block)
+    engine = fake_engine(target, tmp_path)
+    assert block_pays(engine, block) is pays
+    drafter = speculative.make_drafter("auto", engine)
+    assert isinstance(drafter, LookupThenBlock) is pays and (drafter.block is block if pays else True)
+    assert isinstance(drafter, LookupDrafter) is not pays
 
 
 @settings(max_examples=200, deadline=None)

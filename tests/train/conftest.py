@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-import mlx_infer  # noqa: F401  (preloads the optimized BLAS before MLX runs)
+import mlx_infer  # noqa: F401  (tests/conftest.py imported it first: the optimized BLAS is loaded)
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.train.data import TrainSequence

@@ -28,6 +28,14 @@ def resolve_dir(path: Union[str, Path]) -> Path:
     raise MlxInferError(f"no drafter at {path}; give a drafter directory (config.json + .safetensors) or a repo id")
 
 
+def checkpoint_ident(directory: Path) -> str:
+    """The directory and the size and modification time of each weights file: a key that changes when the
+    checkpoint is rewritten in place (a drafter trained again into the same directory)."""
+    files = sorted(directory.glob("*.safetensors"))
+    stamps = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"{directory.resolve()}|{stamps}"
+
+
 def read_checkpoint(directory: Path) -> Tuple[dict, Dict[str, mx.array]]:
     """(config dict, {tensor name: array}) of a drafter directory.
 

@@ -18,6 +18,7 @@ def block_drafter(mode: str, engine, source) -> Drafter:
         MlxInferError: no source and none registered, a malformed checkpoint, or a drafter that does not fit
             the target.
     """
+    from .checkpoint import checkpoint_ident, resolve_dir
     from .dflash import DFlashDrafter, DFlashModel, load_dflash_model
     from .dspark import DSparkDrafter, DSparkModel, load_dspark_model
 
@@ -31,19 +32,24 @@ def block_drafter(mode: str, engine, source) -> Drafter:
         return drafter
     if isinstance(source, Drafter):
         return source
+    ident = None
     if not isinstance(source, (DFlashModel, DSparkModel)):
         # loaded once per engine and path: a chat loads its drafter at the first turn, not at every turn
         loaded = engine.__dict__.setdefault("_drafter_models", {})
         key = (mode, str(source))
         if key not in loaded:
-            loaded[key] = (load_dflash_model if mode == "dflash" else load_dspark_model)(source)
-        source = loaded[key]
+            directory = resolve_dir(source)
+            model = (load_dflash_model if mode == "dflash" else load_dspark_model)(directory)
+            loaded[key] = (model, f"{mode}:{checkpoint_ident(directory)}")
+        source, ident = loaded[key]
     if mode == "dflash":
-        return DFlashDrafter(source, engine.model)
-    from ..confidence import ConfidenceSchedule
-    from ..schedule import cost_curve
+        drafter = DFlashDrafter(source, engine.model)
+    else:
+        from ..confidence import ConfidenceSchedule
+        from ..schedule import cost_curve
 
-    drafter = DSparkDrafter(source, engine.model)  # checks the fit before any timing
-    if source.has_confidence:
-        drafter.schedule = ConfidenceSchedule(curve=cost_curve(engine, source.block_size + 1))
+        drafter = DSparkDrafter(source, engine.model)  # checks the fit before any timing
+        if source.has_confidence:
+            drafter.schedule = ConfidenceSchedule(curve=cost_curve(engine, source.block_size + 1))
+    drafter.ident = ident  # what its calibration prior is cached under (prior.block_prior)
     return drafter
