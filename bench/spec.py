@@ -11,7 +11,8 @@ For each prompt set in bench/prompts/ (chat, code, math, copy-heavy editing) and
   mlx-lm speculative     mlx_lm.stream_generate(draft_model=...) with the same draft model
   mlx-dspark lookup      mlx_dspark's lookup_generate, when the package imports
 
-Each prompt runs --repeats times per system (interleaved: A B C .., A B C ..) and the fastest run
+Each prompt runs --repeats times per system (interleaved, each repeat starting one system later:
+A B C .., B C .. A, ..) and the fastest run
 counts, except the two slow peer rows, which run once. Reported per set and temperature: tokens/s
 (greedy: generated tokens / wall time of the request, prefill included, and beside it the speedup of
 decode tokens/s after the first token, prefill excluded; sampling: decode tokens/s after
@@ -180,11 +181,13 @@ def main():
                 prompt_ids = engine.encode(prompt)
                 reference = None
                 best = {}  # system -> its fastest run of this prompt
+                names = list(systems)
                 for rep in range(args.repeats):
-                    for name, run in systems.items():
+                    # each repeat starts one system later, so that no system always runs after the same one
+                    for name in names[rep % len(names):] + names[: rep % len(names)]:
                         if rep and name in PEERS_ONCE:
                             continue
-                        out = run(prompt_ids, temp, args.max_tokens, 1000 + i)
+                        out = systems[name](prompt_ids, temp, args.max_tokens, 1000 + i)
                         if reference is None:
                             reference = out["tokens"]
                         elif temp == 0 and out["tokens"] != reference:
