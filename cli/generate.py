@@ -61,6 +61,7 @@ def generate(
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)
         engine = load_engine(model, weights.value, verbose)
+        engine.encode_fitting(text, system, not no_chat_template)  # a bad prompt fails before any measuring
         prepare_speculation(engine, speculative)
         kwargs = dict(system=system, chat_template=not no_chat_template, **speculative)
         if as_json:

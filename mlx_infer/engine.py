@@ -110,6 +110,19 @@ class Engine:
         """The model's context window, tokens."""
         return int(self.config.get("max_position_embeddings") or self.config.get("text_config", {}).get("max_position_embeddings", 4096))
 
+    def encode_fitting(self, prompt: Prompt, system: Optional[str] = None, chat_template: bool = True) -> List[int]:
+        """`encode`, and check that at least one token fits after the prompt in the context window.
+
+        Raises:
+            MlxInferError: as `encode`, or a prompt that fills the context window.
+        """
+        prompt_ids = self.encode(prompt, system, chat_template)
+        if len(prompt_ids) >= self.context_length:
+            raise MlxInferError(
+                f"the prompt has {len(prompt_ids)} tokens but the context window is {self.context_length}; shorten it"
+            )
+        return prompt_ids
+
     def encode(self, prompt: Prompt, system: Optional[str] = None, chat_template: bool = True) -> List[int]:
         """Prompt token ids.
 
@@ -174,17 +187,12 @@ class Engine:
                 draft_model given to a mode that uses none ("off", "lookup", "layerskip").
         """
         params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
-        if draft_model is not None:
-            from .speculative import check_draft_model
+        from .speculative import check_draft_model, check_max_draft
 
-            check_draft_model(speculative, draft_model)
-        prompt_ids = self.encode(prompt, system, chat_template)
-        room = self.context_length - len(prompt_ids)
-        if room <= 0:
-            raise MlxInferError(
-                f"the prompt has {len(prompt_ids)} tokens but the context window is {self.context_length}; shorten it"
-            )
-        max_tokens = min(params.max_tokens, room)
+        check_max_draft(max_draft)  # checked whatever the mode, as the CLI does
+        check_draft_model(speculative, draft_model)
+        prompt_ids = self.encode_fitting(prompt, system, chat_template)
+        max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
 
         detok = self.tokenizer.detokenizer
         detok.reset()

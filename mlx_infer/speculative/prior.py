@@ -123,6 +123,12 @@ def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
     return cached_prior(engine, ident, lambda: measure_prior(engine, draft), say)
 
 
+def _named(ident: str) -> str:
+    """'draft:/path' -> 'draft model', 'dflash:...' -> 'dflash drafter' (for the line said before measuring)."""
+    kind = ident.split(":", 1)[0]
+    return "draft model" if kind == "draft" else f"{kind} drafter"
+
+
 def cached_prior(engine, ident: Optional[str], measure: Callable, say=None):
     """measure() (a schedule.Prior), cached on disk when the drafter has a stable identity `ident` (a model
     path, a skip set, a drafter directory); measured afresh when it is None (a model object handed in by the
@@ -138,5 +144,5 @@ def cached_prior(engine, ident: Optional[str], measure: Callable, say=None):
 
     data = cached_json("prior", f"{curve_key(engine)}|{ident}", compute,
                        valid=lambda d: 0 <= d["acceptance"] <= 1 and d["draft_cost"] > 0,
-                       say=say, message="measuring how often this drafter agrees with the model")
+                       say=say, message=f"measuring how often the {_named(ident)} agrees with the model")
     return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]), PRIOR_FIRST_PROBE)
