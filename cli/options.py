@@ -42,9 +42,10 @@ TopKOpt = Annotated[int, typer.Option(
 MinPOpt = Annotated[float, typer.Option(
     "--min-p", rich_help_panel=SAMPLING, help="Drop tokens below min-p x p(best), in [0, 1); 0 is off.")]
 SeedOpt = Annotated[Optional[int], typer.Option(
-    "--seed", rich_help_panel=SAMPLING, help="Random seed, for reproducible sampling (with --spec off or a fixed --max-draft N: under "
-         "--max-draft auto the draft length follows measured timings, and so does which random numbers a "
-         "sample uses; the distribution is the same).")]
+    "--seed", rich_help_panel=SAMPLING,
+    help="Random seed, for reproducible sampling (with --spec off or a fixed --max-draft N: under --max-draft "
+         "auto the draft length follows measured timings, and so does which random numbers a sample uses; the "
+         "distribution is the same).")]
 RepetitionPenaltyOpt = Annotated[float, typer.Option(
     "--repetition-penalty", rich_help_panel=SAMPLING, help="Penalty > 0 for recently generated tokens; 1 is off.")]
 StopOpt = Annotated[Optional[List[str]], typer.Option(
@@ -57,8 +58,9 @@ SystemOpt = Annotated[Optional[str], typer.Option(
 SpecOpt = Annotated[str, typer.Option(
     "--spec", metavar="|".join(MODES), rich_help_panel=SPEC,
     help="Drafter for lossless speculative decoding (greedy: the same output as plain decoding; sampling: "
-         "the same distribution; faster when drafts are accepted): auto picks the best available and falls back to plain decoding where verifying several "
-         "tokens costs as much as decoding them; off is plain decoding.")]
+         "the same distribution; faster when drafts are accepted): auto picks the best available and falls "
+         "back to plain decoding where verifying several tokens costs as much as decoding them; off is plain "
+         "decoding.")]
 DraftModelOpt = Annotated[Optional[str], typer.Option(
     "--draft-model", metavar="MODEL", rich_help_panel=SPEC,
     help="For --spec draft (or auto): a smaller model with the same tokenizer; for --spec dflash / dspark: "
