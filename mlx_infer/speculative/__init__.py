@@ -71,11 +71,7 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
         raise MlxInferError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
     check_draft_model(mode, draft_model)
     if mode == "auto" and draft_model is None:
-        from .prior import block_pays
-        from .registry import registered_drafter
-
-        block = registered_drafter(engine)
-        return LookupThenBlock(block) if block is not None and block_pays(engine, block) else LookupDrafter()
+        return _auto_drafter(engine)
     if mode == "lookup" and draft_model is None:
         return LookupDrafter()
     if mode == "layerskip":
@@ -105,6 +101,17 @@ def make_drafter(mode: str, engine, draft_model=None) -> Drafter:
         check_same_vocab(engine.tokenizer, draft_model.tokenizer)
         draft_model = draft_model.model
     return DraftModelDrafter(draft_model)
+
+
+def _auto_drafter(engine, say: Optional[Callable[[str], None]] = None) -> Drafter:
+    """auto without a draft model: lookup backed by the target's registered block drafter when one is
+    available locally and its calibration prior says it can pay (prior.block_pays), else lookup alone.
+    say: gets a line before a measurement (the cost curve, the drafter's prior)."""
+    from .prior import block_pays
+    from .registry import registered_drafter
+
+    block = registered_drafter(engine)
+    return LookupThenBlock(block) if block is not None and block_pays(engine, block, say) else LookupDrafter()
 
 
 def token_source(engine, prompt_ids: List[int], params, max_tokens: int, speculative: str,
@@ -187,12 +194,7 @@ def prepare(engine, speculative: str, max_draft: Union[str, int] = "auto",
 
         cached_skip_set(engine, say)
     if speculative == "auto" and draft_model is None:
-        from .prior import block_pays
-        from .registry import registered_drafter
-
-        block = registered_drafter(engine)
-        if block is not None:
-            block_pays(engine, block, say)
+        _auto_drafter(engine, say)
     if max_draft == "auto":
         cost_curve(engine, DEFAULT_MAX_DRAFT + 1, say)
         if speculative == "layerskip" or (speculative in ("draft", "auto") and isinstance(draft_model, str)):
