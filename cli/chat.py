@@ -20,7 +20,7 @@ from .options import (
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
     spec_kwargs,
 )
-from .progress import isatty, load_engine, prepare_speculation, stderr
+from .progress import PrefillBar, isatty, load_engine, prepare_speculation, stderr
 from .stats import print_stats
 
 PROMPT = ">>> "
@@ -53,14 +53,17 @@ class ChatSession:
         self.history: List[dict] = []
 
     def reset(self) -> None:
-        """Forget every turn (the system prompt stays)."""
+        """Forget every turn (the system prompt stays) and the engine's kept KV cache."""
         self.history.clear()
+        self.engine.reset()
 
     def answer(self, text: str) -> None:
         """Stream the model's reply to `text`; keep the turn in the history unless it failed or was cut."""
         self.history.append({"role": "user", "content": text})
         reply: List[str] = []
-        steps = self.engine.stream_steps(self.history, self.params, system=self.system, **self.speculative)
+        bar = PrefillBar()
+        steps = self.engine.stream_steps(self.history, self.params, system=self.system, progress=bar,
+                                         **self.speculative)
         try:
             stats = stream_to_stdout(_collect(steps, reply))
         except MlxInferError as e:  # e.g. the history outgrew the context window
@@ -70,6 +73,7 @@ class ChatSession:
                 stderr.print("[dim]type /reset to clear the history[/dim]")
             return
         except KeyboardInterrupt:
+            bar.close()
             self.history.pop()
             sys.stdout.write("\n")
             sys.stdout.flush()

@@ -12,7 +12,7 @@ from .options import (
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
     spec_kwargs,
 )
-from .progress import load_engine, prepare_speculation
+from .progress import PrefillBar, load_engine, prepare_speculation
 from .stats import print_stats
 
 
@@ -61,17 +61,20 @@ def generate(
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)
         engine = load_engine(model, weights.value, verbose)
-        engine.encode_fitting(text, system, not no_chat_template)  # a bad prompt fails before any measuring
+        # tokenized once; a bad prompt fails before any measuring
+        prompt_ids = engine.encode_fitting(text, system, not no_chat_template)
         prepare_speculation(engine, speculative)
-        kwargs = dict(system=system, chat_template=not no_chat_template, **speculative)
+        bar = PrefillBar()
+        kwargs = dict(progress=bar, **speculative)
         if as_json:
-            result = engine.generate(text, params, **kwargs)
+            result = engine.generate(prompt_ids, params, **kwargs)
             out = {"model": engine.source.name, **result.to_dict()}
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
             sys.stdout.flush()
             final = result.stats
         else:
-            final = stream_to_stdout(engine.stream_steps(text, params, **kwargs))
+            final = stream_to_stdout(engine.stream_steps(prompt_ids, params, **kwargs))
+        bar.close()
         if stats or verbose:
             print_stats(final)
 

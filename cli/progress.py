@@ -1,10 +1,14 @@
-"""Rich progress on stderr for model loading (download messages, GGUF conversion)."""
+"""Rich progress on stderr: model loading (download messages, GGUF conversion), the one-time speculative
+measurements, and the prefill of long prompts."""
 
 import sys
 from typing import Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+import mlx_infer
+from mlx_infer.defaults import PREFILL_PROGRESS_TOKENS
 
 #: All human-facing chatter goes to stderr; stdout carries only the answer (or JSON).
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -84,8 +88,6 @@ class ProgressBar:
 
 def load_engine(model: Optional[str], weights: str, verbose: bool = False):
     """`mlx_infer.load` with a progress bar; says what was loaded on stderr when verbose."""
-    import mlx_infer
-
     with ProgressBar("converting", always=verbose, activity=f"loading {model or 'the default model'}") as bar:
         engine = mlx_infer.load(model, weights=weights, progress=bar)
     if verbose:
@@ -107,7 +109,38 @@ def isatty(stream=None) -> bool:
 def prepare_speculation(engine, speculative: dict) -> None:
     """Run the one-time speculative measurements before the first request (a status line each on stderr),
     so that its TTFT and prefill tokens/s do not include them."""
-    from mlx_infer.speculative import prepare
+    engine.prepare(speculative.get("speculative", "off"), speculative.get("draft_model"),
+                   speculative.get("max_draft", "auto"), say=lambda msg: stderr.print(msg, style="dim", markup=False))
 
-    prepare(engine, speculative.get("speculative"), speculative.get("max_draft", "auto"),
-            say=lambda msg: stderr.print(msg, style="dim", markup=False), draft_model=speculative.get("draft_model"))
+
+class PrefillBar:
+    """A `progress(done, total)` callback for Engine.stream_steps: a transient bar on stderr while a long
+    prompt (PREFILL_PROGRESS_TOKENS or more tokens still to prefill) is processed; nothing for short ones
+    or when stderr is not a terminal. Closes itself when prefill ends; `close()` is idempotent."""
+
+    def __init__(self, console: Console = stderr):
+        self.console = console
+        self._progress: Optional[Progress] = None
+        self._task = None
+        self._first: Optional[int] = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._first is None:
+            self._first = done  # the kept prefix counts as done from the start
+        if not self.console.is_terminal or total - self._first < PREFILL_PROGRESS_TOKENS:
+            return
+        if self._progress is None:
+            self._progress = Progress(TextColumn("[bold]prefill[/bold]"), BarColumn(),
+                                      TextColumn("{task.completed}/{task.total} tokens"), TimeElapsedColumn(),
+                                      console=self.console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("prefill", total=total)
+        self._progress.update(self._task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+

@@ -15,6 +15,7 @@ from typing import Callable, Optional  # noqa: E402
 from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  # noqa: E402
 from .errors import MlxInferError  # noqa: E402
 from .generation.sampling import SamplingParams  # noqa: E402
+from .loading import load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
@@ -34,7 +35,5 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
     Raises:
         MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF.
     """
-    from .loading import load_model
-
     net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
     return Engine(net, tokenizer, config, source)

@@ -15,3 +15,7 @@ LOOKUP_MAX_NGRAM = 3
 LOOKUP_MIN_NGRAM = 1
 #: Largest draft length (gamma) tried by speculative decoding when max_draft is "auto".
 DEFAULT_MAX_DRAFT = 8
+#: Speculative rounds between two mx.clear_cache() calls (mlx-lm's generate_step clears every 256 tokens).
+CLEAR_CACHE_ROUNDS = 256
+#: Prompts of at least this many tokens get a prefill progress bar in the CLI (when stderr is a terminal).
+PREFILL_PROGRESS_TOKENS = 512

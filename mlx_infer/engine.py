@@ -8,16 +8,22 @@
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from .backend import backend_name, blas_in_use
 from .errors import MlxInferError
 from .generation.decode import plain_tokens
+from .generation.detokenize import make_detokenizer
 from .generation.sampling import SamplingParams
 from .generation.stops import StopStringMatcher
 from .loading import ModelSource
+from .speculative import DraftModel, SpecOptions, SpecState, SpecStats, Target
+from .speculative.registry import target_names
 
 Messages = Sequence[dict]
 Prompt = Union[str, Messages, Sequence[int]]
@@ -35,7 +41,10 @@ class GenerationStats:
         decode_tps: generated tokens per second after the first one.
         total_s: wall time of the request, seconds.
         peak_memory_bytes: MLX's peak memory during the request, bytes.
-        spec_mode: the drafter used by speculative decoding ("lookup", "draft"), None for plain decoding.
+        cached_prompt_tokens: prompt tokens whose KV came from the previous request (a common prefix, e.g.
+            a chat's history), not prefilled again.
+        spec_mode: the drafter speculative decoding used ("lookup", "draft", "lookup+dflash", ...; "off"
+            when a speculative request decoded plainly), None when speculative decoding was not asked for.
         tau: committed tokens per target forward (speculative only; 0 for plain decoding).
         rounds: speculative rounds, one target forward each (0 for plain decoding).
         draft_s: seconds spent drafting (speculative only).
@@ -50,6 +59,7 @@ class GenerationStats:
     decode_tps: float = 0.0
     total_s: float = 0.0
     peak_memory_bytes: int = 0
+    cached_prompt_tokens: int = 0
     spec_mode: Optional[str] = None
     tau: float = 0.0
     rounds: int = 0
@@ -93,10 +103,59 @@ class GenerationResult:
                 "stats": self.stats.to_dict()}
 
 
+@dataclass
+class KeptCache:
+    """The KV cache of the previous request, kept for the next one.
+
+    Attributes:
+        cache: the per-layer mlx-lm caches.
+        tokens: the token ids whose KV they hold, in order (len == the caches' offset).
+    """
+
+    cache: list
+    tokens: List[int]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def model_fingerprint(mlx_dir) -> str:  # TODO(lead): paths.model_fingerprint once it lands
+    import hashlib
+    from pathlib import Path
+    d = Path(mlx_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes() if (d / "config.json").is_file() else b"")
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def measurement_key(source: ModelSource) -> str:
+    """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
+    priors): the model's content, not where it lies, its weights mode, the backend, BLAS and MLX version."""
+    return f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
+
+
 class Engine:
     """A loaded model, ready to generate.
 
     Build it with `mlx_infer.load(...)`. Not thread-safe: one request at a time.
+
+    The engine keeps the KV cache of its last request: a request whose prompt starts with the tokens of
+    the previous one (a chat's next turn: the history, then the new message) prefills only what follows the
+    common prefix (`GenerationStats.cached_prompt_tokens`). `reset()` drops it.
+
+    Attributes:
+        model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
+            and where it came from.
+        spec: SpecState, what speculative decoding keeps for this model (loaded drafters, schedulers,
+            measured costs).
     """
 
     def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource):
@@ -104,6 +163,46 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.source = source
+        names = target_names(source.name, str(source.path), str(source.mlx_dir))
+        self.spec = SpecState(Target(model, tokenizer, measurement_key(source), names, source.weights))
+        self._kept: Optional[KeptCache] = None
+
+    def reset(self) -> None:
+        """Forget the kept KV cache: the next request prefills its whole prompt."""
+        self._kept = None
+
+    def _cache_for(self, prompt_ids: List[int]):
+        """(caches, start): the kept cache trimmed to its common prefix with the prompt (at most all but the
+        prompt's last token), or a fresh cache and 0 when nothing is shared or the kept one cannot trim."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            start = min(common_prefix(kept.tokens, prompt_ids), len(prompt_ids) - 1)
+            extra = len(kept.tokens) - start
+            if start > 0 and (extra == 0 or can_trim_prompt_cache(kept.cache)):
+                trim_prompt_cache(kept.cache, extra)
+                return kept.cache, start
+        return make_prompt_cache(self.model), 0
+
+    def _keep(self, cache: list, tokens: List[int]) -> None:
+        """Keep a finished request's cache for the next one when it can be trimmed (else the next starts
+        fresh); `tokens`: the prompt and every token the request's source delivered."""
+        offset = cache[0].offset if can_trim_prompt_cache(cache) else -1
+        if 0 < offset <= len(tokens):
+            self._kept = KeptCache(cache, tokens[:offset])
+
+    def prepare(self, speculative: str = "off", draft_model=None, max_draft: Union[str, int] = "auto",
+                say: Optional[Callable[[str], None]] = None) -> None:
+        """Measure now, once per model and machine, what a speculative request with these options would
+        otherwise measure during its first run (SpecState.prepare), so that its TTFT does not include them.
+        say: gets a line before each measurement. Raises MlxInferError for bad options."""
+        self.spec.prepare(self._spec_options(speculative, draft_model, max_draft), say=say)
+
+    def _spec_options(self, speculative: str, draft_model, max_draft) -> SpecOptions:
+        if isinstance(draft_model, Engine):
+            draft_model = DraftModel(draft_model.model, draft_model.tokenizer)
+        return SpecOptions(speculative, draft_model, max_draft)
+
+
 
     @property
     def context_length(self) -> int:
@@ -166,6 +265,7 @@ class Engine:
         speculative: str = "off",
         draft_model=None,
         max_draft: Union[str, int] = "auto",
+        progress: Optional[Callable[[int, int], None]] = None,
         **sampling,
     ) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
@@ -173,47 +273,55 @@ class Engine:
         Args:
             prompt: see `encode`.
             params: SamplingParams; keyword arguments (temperature=..., max_tokens=...) override fields.
-            speculative: "off" (plain decoding), "lookup" (prompt lookup), "draft" (a draft model), "layerskip"
-                (the target minus some layers, arXiv 2309.08168) or "auto"
-                (the best drafter available: a draft model when given, else lookup). Lossless: greedy output
-                is identical to plain decoding, sampled output has the same distribution.
-            draft_model: for "draft": a model path / repo id, an Engine, or an mlx-lm model with the same
-                tokenizer. For "dflash" (arXiv 2602.06036) / "dspark" (block drafters fed the target's hidden
-                states): a drafter directory or repo id in the published format.
-            max_draft: draft tokens per round, an int >= 0 or "auto".
+            speculative: "off" (plain decoding), "lookup" (prompt lookup, arXiv 2311.03511), "draft" (a draft
+                model), "layerskip" (the target minus some layers, arXiv 2309.08168), "dflash" (arXiv
+                2602.06036) / "dspark" (block drafters fed the target's hidden states), or "auto" (a draft
+                model when given; else lookup, backed by the target's registered block drafter where its
+                calibration says it pays on this machine; plain decoding where speculation cannot pay).
+                Lossless: greedy output is identical to plain decoding, sampled output has the same
+                distribution.
+            draft_model: for "draft" / "auto": a model path / repo id, an Engine, or an mlx-lm model with the
+                same tokenizer. For "dflash" / "dspark": a drafter directory or repo id in the published
+                format (None: the one registered for this model).
+            max_draft: draft tokens per round, an int >= 0 or "auto" (chosen each round from measured costs).
+            progress: callable(done, total) during prefill, prompt tokens (a kept prefix counts as done).
 
         Raises:
             MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, or a
                 draft_model given to a mode that uses none ("off", "lookup", "layerskip").
         """
         params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
-        from .speculative import check_draft_model, check_max_draft
-
-        check_max_draft(max_draft)  # checked whatever the mode, as the CLI does
-        check_draft_model(speculative, draft_model)
+        # TODO(lead): params = params.for_vocab(self.tokenizer.vocab_size)
+        options = self._spec_options(speculative, draft_model, max_draft)
         prompt_ids = self.encode_fitting(prompt, system, chat_template)
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
+        with wired_limit(self.model, [generation_stream]):
+            yield from self._steps(prompt_ids, params, max_tokens, options, progress)
 
-        detok = self.tokenizer.detokenizer
-        detok.reset()
+    def _steps(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int, options: SpecOptions,
+               progress: Optional[Callable[[int, int], None]]) -> Iterator[GenerationStep]:
+        """The steps of one validated request (see stream_steps)."""
+        detok = make_detokenizer(self.tokenizer)
         stops = StopStringMatcher(params.stop)
         eos = set(self.tokenizer.eos_token_ids)
         mx.reset_peak_memory()
         start = time.perf_counter()
+        cache, cached = self._cache_for(prompt_ids)
+        spec = SpecStats() if options.on else None
+        tokens = None
+        if spec is not None:
+            tokens = self.spec.tokens(prompt_ids, params, max_tokens, options, spec, cache, cached, progress)
+        if tokens is None:  # plain decoding (asked for, or where speculation cannot pay)
+            tokens = plain_tokens(self.model, prompt_ids, params, max_tokens, cache, cached, progress)
         first_at = None
         finish, n = "length", 0
         held_text, held_token = "", None  # the last token's step, yielded with the final one
-        spec = None
-        if speculative != "off":
-            from .speculative import SpecStats, token_source
-
-            spec = SpecStats()
-            tokens = token_source(self, prompt_ids, params, max_tokens, speculative, draft_model, max_draft, spec)
-        else:
-            tokens = plain_tokens(self.model, prompt_ids, params, max_tokens)
+        delivered: List[int] = []  # every token the source gave, EOS included (what the cache may hold)
+        clean = False
         try:
             for token in tokens:
                 first_at = first_at or time.perf_counter()
+                delivered.append(token)
                 if token in eos:
                     finish = "stop"
                     break
@@ -225,8 +333,14 @@ class Engine:
                     held_text, held_token = text, token
                     break
                 yield GenerationStep(text, token)
-        finally:  # also when the consumer closes this generator: the token source rolls its cache back
+            clean = True
+        except GeneratorExit:  # the consumer stopped: the token source rolls its cache back to `delivered`
+            clean = True
+            raise
+        finally:
             tokens.close()
+            if clean:  # an exception inside a forward leaves the cache in an unknown state: not kept
+                self._keep(cache, list(prompt_ids) + delivered)
         end = time.perf_counter()
         if not (finish == "stop" and held_token is not None):  # no stop string hit yet
             detok.finalize()
@@ -234,14 +348,16 @@ class Engine:
             held_text += text if hit else text + stops.flush(detok.text)
             finish = "stop" if hit else finish
         first_at = first_at or end
+        prefilled = len(prompt_ids) - cached
         stats = GenerationStats(
             prompt_tokens=len(prompt_ids),
             generated_tokens=n,
             ttft_s=first_at - start,
-            prefill_tps=len(prompt_ids) / (first_at - start) if first_at > start else 0.0,
+            prefill_tps=prefilled / (first_at - start) if first_at > start else 0.0,
             decode_tps=(n - 1) / (end - first_at) if n > 1 and end > first_at else 0.0,
             total_s=end - start,
             peak_memory_bytes=int(mx.get_peak_memory()),
+            cached_prompt_tokens=cached,
         )
         if spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = spec.mode, spec.tau, spec.rounds

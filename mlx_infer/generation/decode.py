@@ -1,6 +1,6 @@
 """Plain decoding: one token per target forward, through mlx-lm's generate_step."""
 
-from typing import Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -9,8 +9,22 @@ from mlx_lm.generate import generate_step
 from ..defaults import PREFILL_STEP_SIZE
 from .sampling import SamplingParams, build_logits_processors, build_sampler
 
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
-def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams, max_tokens: int) -> Iterator[int]:
+
+def with_prefix(processor: LogitsProcessor, prefix: mx.array) -> LogitsProcessor:
+    """A logits processor that sees `prefix` ([P] token ids already in the cache) before the tokens
+    generate_step gives it, so that a repetition penalty over a kept prefix looks back as far as it would
+    over a fresh prompt."""
+    def run(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(mx.concatenate([prefix, tokens.astype(prefix.dtype)]), logits)
+
+    return run
+
+
+def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
+                 cache: Optional[list] = None, start: int = 0,
+                 progress: Optional[Callable[[int, int], None]] = None) -> Iterator[int]:
     """Token ids of plain autoregressive decoding, as `mlx_lm.stream_generate` produces them.
 
     Args:
@@ -18,18 +32,30 @@ def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams
         prompt_ids: the prompt, token ids (non-empty).
         params: sampling parameters (already validated).
         max_tokens: how many tokens to produce at most.
+        cache: the model's per-layer caches (None: fresh ones); they hold prompt_ids[:start].
+        start: prompt tokens already in the cache (0 <= start < len(prompt_ids)); only the rest is prefilled.
+        progress: callable(done, total) during prefill, prompt tokens (the kept prefix counted as done).
 
     Yields:
-        int token ids, the first after prefill.
+        int token ids, the first after prefill. When the consumer stops after receiving k tokens, the
+        cache holds the prompt and those k tokens (generate_step has already run the last one's forward).
     """
     if params.seed is not None:
         mx.random.seed(params.seed)
+    processors = build_logits_processors(params)
+    if start and processors:
+        prefix = mx.array(prompt_ids[max(0, start - params.repetition_context_size):start], dtype=mx.uint32)
+        processors = [with_prefix(p, prefix) for p in processors]
+    total = len(prompt_ids)
+    report = (lambda done, _: progress(start + done, total)) if progress is not None else (lambda *_: None)
     for token, _ in generate_step(
-        mx.array(prompt_ids),
+        mx.array(prompt_ids[start:]),
         model,
         max_tokens=max_tokens,
         sampler=build_sampler(params),
-        logits_processors=build_logits_processors(params),
+        logits_processors=processors,
+        prompt_cache=cache,
         prefill_step_size=PREFILL_STEP_SIZE,
+        prompt_progress_callback=report,
     ):
         yield int(token)

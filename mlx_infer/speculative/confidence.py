@@ -16,7 +16,7 @@ Threshold mode: keep drafts while a_j >= threshold.
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .schedule import CostCurve
+from .cost import CostCurve
 
 
 def verify_length(confidence: Sequence[float], curve: Optional[CostCurve] = None,

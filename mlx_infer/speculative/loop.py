@@ -21,13 +21,16 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
-from ..defaults import PREFILL_STEP_SIZE
+from ..defaults import CLEAR_CACHE_ROUNDS, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams, build_logits_processors
 from .capture import TargetTaps
 from .drafters.base import Drafter
+from .schedule import DraftPolicy, FixedGamma
+from .target import output_vocab
 from .verify import probabilities, process_logits, verify_greedy, verify_sampling
 
 
@@ -111,7 +114,8 @@ def _trim(cache: Sequence, n: int) -> None:
 
 
 def _fit_vocab(q: mx.array, vocab: int) -> mx.array:
-    """Pad with zeros or cut a [g, V'] draft distribution to the target's V."""
+    """Pad with zeros or cut a [g, V'] draft distribution to the target's V (a draft token outside the
+    target's vocabulary has target probability 0: its q mass drops out of every residual)."""
     if q.shape[-1] == vocab:
         return q
     if q.shape[-1] > vocab:
@@ -119,28 +123,21 @@ def _fit_vocab(q: mx.array, vocab: int) -> mx.array:
     return mx.concatenate([q, mx.zeros((q.shape[0], vocab - q.shape[-1]), q.dtype)], axis=-1)
 
 
-GammaPolicy = Union[int, Callable[[], int]]
+def _in_vocab(tokens: List[int], vocab: int) -> int:
+    """How many leading draft tokens lie inside the target's vocabulary [0, vocab)."""
+    return next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), len(tokens))
 
 
-def _plain_next(max_draft: GammaPolicy, drafter: Drafter, history: List[int]) -> bool:
-    """Whether the round after the current one will certainly draft nothing, whatever token the current
-    one commits (history: the context up to the current round's pending token)."""
-    if isinstance(max_draft, int):
-        return max_draft == 0
-    plan = getattr(max_draft, "plain_next", None)
-    if plan is None:
-        return False
-    return plan(drafter.possible_keys(history) if drafter.free else None)
-
-
-def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams, processors, q):
+def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams, processors, q,
+            rejected_q: Optional[mx.array] = None):
     """Lazy (accepted count, next token) of one round: logits [g+1, V] of [pending] + tokens (g ints),
-    q the draft's [g, V] probabilities or None (deterministic drafter)."""
+    q the draft's [g, V] probabilities or None (deterministic drafter); rejected_q: [V] q row of a next
+    draft token outside the target's vocabulary (verify.verify_sampling)."""
     processed = process_logits(logits, history, tokens, params, processors)  # [g+1, V]
     draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
     if params.greedy:
         return verify_greedy(draft_arr, processed)
-    return verify_sampling(draft_arr, probabilities(processed), q)
+    return verify_sampling(draft_arr, probabilities(processed), q, rejected_q=rejected_q)
 
 
 def _plain_round(model, cache, taps, token: mx.array, params: SamplingParams):
@@ -157,10 +154,11 @@ def speculative_tokens(
     params: SamplingParams,
     max_tokens: int,
     drafter: Drafter,
-    max_draft: GammaPolicy,
+    max_draft: Union[int, DraftPolicy],
     stats: Optional[SpecStats] = None,
     cache: Optional[list] = None,
-    observe: Optional[Callable[..., None]] = None,
+    start: int = 0,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[int]:
     """Token ids of speculative decoding: the same tokens as plain decoding (greedy), or tokens with the same
     distribution (sampling; arXiv 2211.17192, 2302.01318).
@@ -171,13 +169,14 @@ def speculative_tokens(
         params: sampling parameters (validated).
         max_tokens: most tokens to yield (>= 1); no round drafts past it.
         drafter: proposes draft tokens.
-        max_draft: gamma, an int >= 0, or a callable returning the gamma for the next round.
+        max_draft: gamma, an int >= 0 (schedule.FixedGamma), or a schedule.DraftPolicy asked every round.
         stats: SpecStats to fill in (optional).
         cache: the target's per-layer caches to use (made with make_prompt_cache when None); see the
             module docstring for the offset convention.
-        observe: optional callback(gamma_proposed, n_accepted, draft_s, verify_s, key=Draft.key, ahead=bool,
-            round_s=seconds) after every round (ahead: a plain round launched before the previous round was
-            read back; round_s: wall time since the previous round's read-back, consumer time included).
+        start: prompt tokens the cache already holds (prompt_ids[:start], a kept prefix; 0 for a fresh
+            cache); at most len(prompt_ids) - 1. A drafter fed the target's taps needs them for the whole
+            prompt, so the cache is then trimmed to empty and the prompt prefilled whole.
+        progress: callable(done, total) after each prefill chunk (prompt tokens).
 
     Yields:
         int token ids, one at a time (close the generator to stop early; the cache is then rolled back to
@@ -190,36 +189,52 @@ def speculative_tokens(
     A drafter with `wants_hidden` (DFlash, DSpark) gets the target's taps of the committed positions: the
     tapped layers are wrapped (capture.TargetTaps) for the request and restored when the generator ends.
     """
-    taps = TargetTaps(model, drafter.target_layer_ids) if getattr(drafter, "wants_hidden", False) else None
-    args = (model, prompt_ids, params, max_tokens, drafter, max_draft, stats, cache, observe)
-    if taps is None:
-        return (yield from _rounds(*args, None))
-    with taps:
-        return (yield from _rounds(*args, taps))
+    policy = FixedGamma(max_draft) if isinstance(max_draft, int) else max_draft
+    taps = TargetTaps(model, drafter.target_layer_ids) if drafter.wants_hidden else None
+    args = (model, prompt_ids, params, max_tokens, drafter, policy, stats, cache, start, progress)
+    with mx.stream(generation_stream):
+        if taps is None:
+            return (yield from _rounds(*args, None))
+        with taps:
+            return (yield from _rounds(*args, taps))
 
 
-def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, cache, observe,
-            taps: Optional[TargetTaps]) -> Iterator[int]:
+def _prefill(model, cache, tokens: List[int], taps: Optional[TargetTaps], done: int, total: int,
+             progress: Optional[Callable[[int, int], None]]) -> List[mx.array]:
+    """Run `tokens` through the target into the cache in PREFILL_STEP_SIZE chunks; returns the taps of each
+    chunk ([1, rows, n*H], taps only). done / total: prompt tokens before these / in all, for `progress`."""
+    feats = []
+    for s in range(0, len(tokens), PREFILL_STEP_SIZE):
+        chunk = tokens[s : s + PREFILL_STEP_SIZE]
+        model(mx.array(chunk)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        if taps is not None:
+            feats.append(taps.features())
+        if progress is not None:
+            progress(done + s + len(chunk), total)
+    return feats
+
+
+def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: DraftPolicy, stats, cache, start,
+            progress, taps: Optional[TargetTaps]) -> Iterator[int]:
     """The rounds of `speculative_tokens` (same arguments); taps: installed TargetTaps, or None."""
     stats = stats if stats is not None else SpecStats()
     stats.mode = drafter.name
     if cache is None:
-        cache = make_prompt_cache(model)
-    gamma_of = max_draft if callable(max_draft) else (lambda: max_draft)
-    bound = max_draft if isinstance(max_draft, int) else 64
-    check_rollback(cache, len(prompt_ids) + max_tokens + bound)
+        cache, start = make_prompt_cache(model), 0
+    check_rollback(cache, len(prompt_ids) + max_tokens + policy.limit)
+    if taps is not None and start:
+        _trim(cache, start)  # the drafter needs the taps of the whole prompt
+        start = 0
+    if not 0 <= start < len(prompt_ids) or cache[0].offset != start:
+        raise ValueError(f"the cache holds {cache[0].offset} tokens, expected the prompt's first {start}")
     if params.seed is not None:
         mx.random.seed(params.seed)
     processors = build_logits_processors(params)
+    vocab = output_vocab(model)
 
     # Prefill all but the last prompt token (the first pending token), as mlx-lm's generate_step.
-    head = prompt_ids[:-1]
-    feats = []  # taps of the prompt head, [1, rows, n*H] per chunk (taps only)
-    for s in range(0, len(head), PREFILL_STEP_SIZE):
-        model(mx.array(head[s : s + PREFILL_STEP_SIZE])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        if taps is not None:
-            feats.append(taps.features())
+    feats = _prefill(model, cache, prompt_ids[start:-1], taps, start, len(prompt_ids), progress)
     if taps is None:
         drafter.begin(prompt_ids, params)
     else:
@@ -233,32 +248,33 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
         t0 = time.perf_counter()
         launched = ahead is not None
         if launched:
-            draft, tokens = None, []
+            draft, tokens, outside = None, [], 0
             (n_arr, nxt_arr, rows), ahead = ahead, None
             t1 = t0
         else:
-            gamma = max(0, min(int(gamma_of()), max_tokens - produced - 1))
-            draft = drafter.propose(history, gamma) if gamma > 0 else None
+            gamma = max(0, min(int(policy.gamma()), max_tokens - produced - 1))
+            draft = drafter.propose(history, gamma, policy.worth) if gamma > 0 else None
             tokens = list(draft.tokens[:gamma]) if draft else []
-            if tokens and hasattr(max_draft, "cut"):  # a free drafter proposed the most; keep what pays
-                tokens = tokens[: max_draft.cut(draft)]
+            if tokens:  # a free drafter proposed the most; keep what pays
+                tokens = tokens[: policy.cut(draft)]
+            # A draft token outside the target's vocabulary has target probability 0: it is rejected for
+            # certain, so the forward stops before it and its q row shapes the residual (verify_sampling).
+            inside = _in_vocab(tokens, vocab)
+            outside, tokens = len(tokens) - inside, tokens[:inside]
             t1 = time.perf_counter()
 
             block = mx.array([history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
             logits = model(block[None], cache=cache)[0].astype(mx.float32)  # [g+1, V]
             rows = taps.features() if taps is not None else None  # [1, g+1, n*H]
-            vocab = logits.shape[-1]
-            if any(t >= vocab or t < 0 for t in tokens):  # a draft vocab larger than the target's
-                cut = next(i for i, t in enumerate(tokens) if t >= vocab or t < 0)
-                _trim(cache, len(tokens) - cut)
-                tokens = tokens[:cut]
-                logits = logits[: cut + 1]
-            q = None
+            q = rejected_q = None
             if not params.greedy and draft is not None and draft.q is not None:
-                q = _fit_vocab(draft.q[: len(tokens)], vocab)
-            n_arr, nxt_arr = _verify(logits, history, tokens, params, processors, q)
+                q_all = _fit_vocab(draft.q[: len(tokens) + (outside > 0)], vocab)  # [g (+1), V]
+                q = q_all[: len(tokens)]
+                rejected_q = q_all[len(tokens)] if outside else None
+            n_arr, nxt_arr = _verify(logits, history, tokens, params, processors, q, rejected_q)
         g = len(tokens)
-        if not tokens and not processors and produced + 1 < max_tokens and _plain_next(max_draft, drafter, history):
+        if not tokens and not processors and produced + 1 < max_tokens and policy.plain_next(
+                drafter.possible_keys(history) if drafter.free else None):
             # This round and the next are plain steps: build the next one on this one's lazy token while
             # this one computes (as mlx-lm's generate_step), so that building the graph costs no time.
             mx.async_eval(n_arr, nxt_arr)
@@ -277,12 +293,13 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter, max_draft, stats, ca
             drafter.update(n, committed)
         else:  # only committed positions: the old pending token and the accepted drafts
             drafter.update(n, committed, hidden=rows[:, : n + 1])
-        stats.record(g, n, len(committed))
+        stats.record(g + (outside > 0), n, len(committed))
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        if observe is not None:
-            observe(g, n, t1 - t0, t2 - t1, key=draft.key if draft is not None else None, ahead=launched,
-                    round_s=round_s)
+        policy.observe(g, n, t1 - t0, t2 - t1, key=draft.key if draft is not None else None, ahead=launched,
+                       round_s=round_s)
+        if stats.rounds % CLEAR_CACHE_ROUNDS == 0:
+            mx.clear_cache()  # as mlx-lm's generate_step: return freed buffers to the system now and then
 
         for i, tok in enumerate(committed):
             try:

@@ -5,13 +5,13 @@ An entry matches a target when one of its `match` names occurs in the target's r
 or directory name, compared without case and punctuation ("SmolLM2-135M-Instruct" matches
 `SmolLM2-135M-Instruct.Q4_1.gguf`). Shipped drafters (`path`) load from the package; published ones
 (`repo`) only when already in the local Hugging Face cache, so that `auto` never downloads or waits
-on the network.
+on the network. This module only reads the data; resolve.py loads what it names.
 """
 
 import json
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 from ..errors import MlxInferError
 
@@ -29,46 +29,35 @@ def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def target_names(engine) -> List[str]:
-    """Names that identify the engine's target: what the user asked for, the file read, the MLX dir."""
-    src = engine.source
-    names = [src.name, Path(src.path).name, Path(src.path).stem]
-    return [n for n in names if n and n != "default"] or [Path(src.mlx_dir).name]
+def target_names(name: str, path: str, mlx_dir: str) -> Tuple[str, ...]:
+    """Names that identify a target: what the user asked for (`name`), the file read (`path`), else its MLX
+    directory."""
+    names = [name, Path(path).name, Path(path).stem]
+    return tuple(n for n in names if n and n != "default") or (Path(mlx_dir).name,)
 
 
-def registered(engine, registry: Optional[Path] = None) -> List[dict]:
-    """The registry entries whose `match` fits the engine's target, in registry order.
+def registry_path() -> Path:
+    """The installed registry.json."""
+    return models_dir() / "registry.json"
+
+
+def registered(names: Sequence[str], registry: Optional[Path] = None) -> List[dict]:
+    """The registry entries whose `match` fits a target known by `names` (target_names), in registry order;
+    each entry's "path" is made absolute (relative to the registry's folder).
 
     Raises:
         MlxInferError: registry.json is not valid JSON or lacks "drafters".
     """
-    path = registry or models_dir() / "registry.json"
+    path = registry or registry_path()
     if not path.is_file():
         return []
     try:
         entries = json.loads(path.read_text())["drafters"]
     except (ValueError, KeyError) as e:
         raise MlxInferError(f"{path} is not a drafter registry ({e}); reinstall mlx-infer") from e
-    names = [_norm(n) for n in target_names(engine)]
-    return [e for e in entries if any(_norm(m) in n for m in e.get("match", []) for n in names)]
-
-
-def registered_drafter(engine, registry: Optional[Path] = None, kinds=("dflash", "dspark")):
-    """The first registered drafter (of one of `kinds`) that loads locally and fits the engine's target.
-
-    Returns:
-        A DFlashDrafter / DSparkDrafter, or None (no entry, not cached, or none fits: the caller uses lookup).
-    """
-    from ..loading.hub import download_repo
-    from .drafters.load import block_drafter
-
-    base = (registry or models_dir() / "registry.json").parent
-    for entry in registered(engine, registry):
-        if entry.get("kind") not in kinds:
-            continue
-        try:
-            source = base / entry["path"] if "path" in entry else download_repo(entry["repo"], local_only=True)
-            return block_drafter(entry["kind"], engine, str(source))
-        except (MlxInferError, KeyError, OSError):
-            continue
-    return None
+    normed = [_norm(n) for n in names]
+    found = [dict(e) for e in entries if any(_norm(m) in n for m in e.get("match", []) for n in normed)]
+    for e in found:
+        if "path" in e:
+            e["path"] = str(path.parent / e["path"])
+    return found

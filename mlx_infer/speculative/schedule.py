@@ -1,50 +1,27 @@
-"""Draft length (gamma) per round, for max_draft="auto".
+"""Draft length (gamma) per round: the policies the speculative loop asks.
 
-Speculation pays only when verifying gamma+1 tokens costs little more than one. That depends on the
-backend: on MLX's CPU backend a quantized matmul is a plain loop whose cost grows with the number of
-rows, while float32 through an optimized BLAS (or Metal / CUDA) barely notices the width.
-
-So, once per model and machine, the cost of one target forward is measured as a function of its width
-(`CostCurve`, cached on disk under the user cache dir). During a request `DraftScheduler` keeps a
-running estimate of the conditional acceptance rate of each draft position and the drafting cost per
-token, and picks each round the gamma that maximizes expected committed tokens per second:
+`DraftPolicy` is what the loop (loop.py) needs from a policy; `FixedGamma` pins gamma (max_draft=N) and
+`DraftScheduler` picks it each round (max_draft="auto"), from the target's cost curve (cost.py) and running
+estimates of the conditional acceptance rate of each draft position and of the drafting cost:
 
     E[committed](g) = 1 + sum_{j=1..g} prod_{i<=j} a_i,     time(g) = verify(g + 1) + drafting(g)
 
 drafting(g) is g * (seconds per draft token) for a draft model, one drafter pass for a block drafter
-(DFlash drafts its whole block in one forward, whatever g), and 0 for prompt lookup.
+(DFlash drafts its whole block in one forward, whatever g), and 0 for prompt lookup. gamma = 0 is a plain
+decoding step. When even a fully accepted draft cannot beat plain decoding on the curve,
+`speculation_pays` is false and the request decodes plainly.
 
-gamma = 0 is a plain decoding step. When even a fully accepted draft cannot beat plain decoding on
-this curve, `speculation_pays` is false and the Engine decodes plainly (no speculative overhead).
-
-The estimates start from a `Prior`: a weak 0.5 by default, a calibration for model drafters (prior.py),
-or what an earlier request with the same drafter learned (`DraftScheduler.new_request`).
-
-The curve is measured once, forwards in isolation. A round in a request costs more: its logits are
-processed and read back, the context is longer, the consumer works between rounds, and a round that
-drafts cannot be overlapped with the previous one as a plain step launched ahead is; and a curve measured
-on a busy machine is off by itself (two measurements of the default model here put a single-token forward
-at 72 and 95 ms). So the scheduler corrects the curve by the wall time of the rounds it observes
-(read-back to read-back), one factor for rounds that verify a draft and one for plain rounds launched
-ahead, which it weighs drafting against.
+The estimates start from a `Prior`: a weak 0.5 by default, a calibration for model drafters
+(calibrate.py), or what an earlier request with the same drafter learned (`DraftScheduler.new_request`).
+Only decisions live here: no timing, no disk, no MLX.
 """
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
-
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from typing import Dict, List, Optional, Protocol, Sequence
 
 from ..defaults import DEFAULT_MAX_DRAFT
-from ..paths import cached_json
+from .cost import CostCurve
 
-#: Context tokens in the cache while the cost curve is measured.
-COST_CONTEXT = 64
-#: Timed repetitions per width (the minimum is kept).
-COST_REPEATS = 5
 #: Prior of each position's conditional acceptance: ACCEPT_PRIOR_HITS accepted out of ACCEPT_PRIOR_TRIALS
 #: pseudo-observations (mean 0.5, weak, so that a few real rounds outweigh it).
 ACCEPT_PRIOR_HITS = 1.0
@@ -65,120 +42,6 @@ MIN_GAIN = 1.05
 SCALE_WEIGHT = 0.1
 #: Bounds of one round's observed / curve cost ratio (a stall elsewhere on the machine is not a verdict).
 SCALE_BOUNDS = (0.5, 2.0)
-
-
-@dataclass
-class CostCurve:
-    """Seconds of one target forward of `width` tokens, each read back before the next is built (a verify
-    round), and of one plain decoding step when steps are pipelined.
-
-    Attributes:
-        seconds: {width: seconds} for the measured widths (1 .. max_width).
-        plain_step: seconds per plain decoding step when each step's forward is built while the previous
-            one computes (mlx-lm's generate_step; the loop's rounds launched ahead); None: unknown, taken
-            as seconds[1]. On the CPU backend here it is about 10% less than seconds[1] (default model:
-            65 against 72 ms).
-    """
-
-    seconds: Dict[int, float]
-    plain_step: Optional[float] = None
-
-    def plain(self) -> float:
-        """Seconds of a plain decoding step (pipelined when measured so)."""
-        return self.plain_step if self.plain_step is not None else self.seconds[1]
-
-    def __call__(self, width: int) -> float:
-        known = sorted(self.seconds)
-        if width in self.seconds:
-            return self.seconds[width]
-        if width > known[-1]:  # extrapolate the last slope
-            a, b = known[-2], known[-1]
-            slope = (self.seconds[b] - self.seconds[a]) / (b - a)
-            return self.seconds[b] + slope * (width - b)
-        lo = max(w for w in known if w < width)
-        hi = min(w for w in known if w > width)
-        t = (width - lo) / (hi - lo)
-        return self.seconds[lo] * (1 - t) + self.seconds[hi] * t
-
-    def to_json(self) -> dict:
-        """{"seconds": {width: seconds}, "plain_step": seconds or None}."""
-        return {"seconds": {str(k): v for k, v in self.seconds.items()}, "plain_step": self.plain_step}
-
-
-def curve_key(engine) -> str:
-    """What a measurement of the target on this machine depends on: model directory, weights mode,
-    backend, BLAS and MLX version (a cache key)."""
-    from ..backend import backend_name, blas_in_use
-
-    return f"{engine.source.mlx_dir}|{engine.source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
-
-
-def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int, pipelined: bool = True) -> CostCurve:
-    """Time one forward of each width 1..max_width over a COST_CONTEXT-token cache (a few seconds).
-
-    Args:
-        model: the target (mlx-lm model).
-        max_width: widest verify forward to time (gamma + 1).
-        vocab_size: token ids are drawn below this.
-        pipelined: also time pipelined plain steps (the target's curve; not needed for a drafter).
-
-    Returns:
-        CostCurve with the minimum of COST_REPEATS timings per width, seconds, and the plain step time
-        (pipelined_step_seconds).
-    """
-    cache = make_prompt_cache(model)
-    tokens = mx.random.randint(0, vocab_size, (1, COST_CONTEXT + max_width), key=mx.random.key(0))
-    mx.eval(model(tokens[:, :COST_CONTEXT], cache=cache))
-    seconds = {w: float("inf") for w in range(1, max_width + 1)}
-    # Widths interleaved within each repeat, so that load from other programs hits them alike; the first
-    # repeat compiles each new shape and is not kept.
-    for rep in range(COST_REPEATS + 1):
-        for width in range(1, max_width + 1):
-            block = tokens[:, COST_CONTEXT : COST_CONTEXT + width]
-            start = time.perf_counter()
-            mx.eval(model(block, cache=cache))
-            elapsed = time.perf_counter() - start
-            for c in cache:
-                c.trim(width)
-            if rep:
-                seconds[width] = min(seconds[width], elapsed)
-    return CostCurve(seconds, pipelined_step_seconds(model, cache) if pipelined else None)
-
-
-#: Plain steps per timing of pipelined decoding.
-PIPELINE_STEPS = 8
-
-
-def pipelined_step_seconds(model: nn.Module, cache: list) -> float:
-    """Seconds per greedy step of plain decoding as the Engine runs it (mlx-lm's generate_step, each step
-    launched before the previous token is read back): the minimum over COST_REPEATS timings of
-    PIPELINE_STEPS steps after the first; `cache` is left holding what it held."""
-    best = float("inf")
-    for rep in range(COST_REPEATS + 1):
-        held = cache[0].offset
-        times = [time.perf_counter() for _ in generate_step(mx.array([1]), model, max_tokens=PIPELINE_STEPS + 1,
-                                                            prompt_cache=cache)]
-        for c in cache:
-            c.trim(c.offset - held)
-        if rep:
-            best = min(best, (times[-1] - times[0]) / PIPELINE_STEPS)
-    return best
-
-
-def cost_curve(engine, max_width: int, say: Optional[Callable[[str], None]] = None) -> CostCurve:
-    """The target's cost curve up to `max_width`, from the disk cache or measured once and saved.
-
-    The cache key is the model directory, weights mode, backend, BLAS and MLX version.
-    say: called with a one-line message before a measurement (seconds; not when cached).
-    """
-    data = cached_json(
-        "cost", curve_key(engine),
-        lambda: {"model": str(engine.source.mlx_dir),
-                 **measure_cost_curve(engine.model, max_width, engine.tokenizer.vocab_size).to_json()},
-        valid=lambda d: max(int(k) for k in d["seconds"]) >= max_width and d.get("plain_step", 0) > 0,
-        say=say, message="measuring this model's verify cost by width",
-    )
-    return CostCurve({int(k): float(v) for k, v in data["seconds"].items()}, float(data["plain_step"]))
 
 
 def expected_committed(rates: List[float], gamma: int) -> float:
@@ -214,6 +77,81 @@ class Prior:
     first_probe: int = PROBE_EVERY
 
 
+class DraftPolicy(Protocol):
+    """What the speculative loop asks of a draft-length policy, once per round.
+
+    Attributes:
+        limit: the largest gamma it will ever ask for (the loop bounds its rollback check with it).
+    """
+
+    limit: int
+
+    def gamma(self) -> int:
+        """The number of draft tokens to ask the drafter for this round (0: a plain round)."""
+
+    def cut(self, draft) -> int:
+        """Of a proposal (`Draft`: .tokens, .key), how many leading tokens to verify."""
+
+    def worth(self, key: Optional[int]) -> bool:
+        """Whether a drafter with several sources should propose from bucket `key` this round."""
+
+    def plain_next(self, keys: Optional[Sequence[int]]) -> bool:
+        """Whether the next round will certainly draft nothing, whatever this round commits (keys: the
+        buckets a free drafter could propose from next round, None when unknown)."""
+
+    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
+                ahead: bool = False, round_s: Optional[float] = None) -> None:
+        """Learn from a finished round (see DraftScheduler.observe)."""
+
+
+class FixedGamma:
+    """A pinned draft length (max_draft=N): ask for N tokens every round and verify all that are proposed.
+
+    Args:
+        gamma: draft tokens per round, >= 0 (0: plain decoding through the speculative loop).
+    """
+
+    def __init__(self, gamma: int):
+        self.limit = int(gamma)
+
+    def gamma(self) -> int:
+        return self.limit
+
+    def cut(self, draft) -> int:
+        return len(draft.tokens)
+
+    def worth(self, key: Optional[int]) -> bool:
+        return True
+
+    def plain_next(self, keys: Optional[Sequence[int]]) -> bool:
+        return self.limit == 0
+
+    def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
+                ahead: bool = False, round_s: Optional[float] = None) -> None:
+        """Nothing to learn."""
+
+
+@dataclass(frozen=True)
+class Mechanisms:
+    """Switches for the scheduler's mechanisms, so that each can be measured against its absence
+    (bench/spec.py --policy). All on by default.
+
+    Attributes:
+        correct_costs: correct the curve by the wall time of observed rounds (else trust the curve).
+        backoff: double the wait between probes of a source judged not worth drafting, up to PROBE_MAX
+            (else probe every PROBE_EVERY rounds).
+        delayed_first_probe: a calibration prior that rules a drafter out delays its first probe
+            (Prior.first_probe; else PROBE_EVERY).
+        memory: a scheduler carries what one request learned into the next with the same drafter
+            (else each request starts from the prior).
+    """
+
+    correct_costs: bool = True
+    backoff: bool = True
+    delayed_first_probe: bool = True
+    memory: bool = True
+
+
 class DraftScheduler:
     """Chooses gamma each round (call it) and learns from each round (`observe`).
 
@@ -242,9 +180,10 @@ class DraftScheduler:
     """
 
     def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT, free: bool = False,
-                 per_round: bool = False, prior: Optional[Prior] = None):
+                 per_round: bool = False, prior: Optional[Prior] = None, mechanisms: Mechanisms = Mechanisms()):
         self.curve = curve
-        self.max_draft = max_draft
+        self.max_draft = self.limit = max_draft
+        self.mechanisms = mechanisms
         self.free = free
         self.per_round = per_round
         prior = prior or Prior()
@@ -263,11 +202,12 @@ class DraftScheduler:
         # what drafting is weighed against; rounds seen of each kind
         self.scale = {"wide": 1.0, "ahead": 1.0}
         self.scale_rounds = {"wide": 0, "ahead": 0}
-        if prior.first_probe > PROBE_EVERY:  # start further along the back-off
+        if mechanisms.delayed_first_probe and prior.first_probe > PROBE_EVERY:  # start further along the back-off
             self.misses[None] = 1 + max(0, (prior.first_probe // PROBE_EVERY).bit_length() - 1)
 
     def new_request(self) -> None:
-        """Start another request with this drafter: keep the estimates, at most MEMORY_TRIALS rounds' weight."""
+        """Start another request with this drafter: keep the estimates, at most MEMORY_TRIALS rounds' weight
+        (the Engine makes a new scheduler per request instead when Mechanisms.memory is off)."""
         for key, trials in self.trials.items():
             scale = min(1.0, MEMORY_TRIALS / max(max(trials), 1e-9))
             self.trials[key] = [t * scale for t in trials]
@@ -312,6 +252,8 @@ class DraftScheduler:
         the bucket's estimate starts from data rather than the prior)."""
         if self.free and key not in self.last_try and key not in self.misses:
             return True
+        if not self.mechanisms.backoff:
+            return at - self.last_try.get(key, 0) >= PROBE_EVERY
         wait = min(PROBE_EVERY * 2 ** max(0, self.misses.get(key, 1) - 1), PROBE_MAX)
         return at - self.last_try.get(key, 0) >= wait
 
@@ -324,7 +266,7 @@ class DraftScheduler:
             return best
         return min(2, self.max_draft) if self._due(None, at) else 0
 
-    def __call__(self) -> int:
+    def gamma(self) -> int:
         """The gamma to ask the drafter for this round."""
         return self.max_draft if self.free else self._gamma(self.round)
 
@@ -342,7 +284,7 @@ class DraftScheduler:
         for a probe (estimates only move when drafts are verified)."""
         return self.best_gamma(key) > 0 or self._due(key, self.round)
 
-    def plain_next(self, keys=None) -> bool:
+    def plain_next(self, keys: Optional[Sequence[int]] = None) -> bool:
         """Whether the round after this one will certainly draft nothing, whatever token this one commits.
 
         Args:
@@ -358,7 +300,7 @@ class DraftScheduler:
 
     def _observe_cost(self, kind: str, seconds: float, predicted: float) -> None:
         """Move the curve's correction for rounds of `kind` toward seconds / predicted."""
-        if seconds <= 0:
+        if seconds <= 0 or not self.mechanisms.correct_costs:
             return
         ratio = min(max(seconds / predicted, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
         self.scale_rounds[kind] += 1
@@ -403,3 +345,10 @@ class DraftScheduler:
             self.misses[key] = 0
         elif probe or misses == 0:  # a probe that did not change the verdict, or the first "not worth it"
             self.misses[key] = misses + 1
+
+
+def drafter_pays(curve: CostCurve, prior: Prior, max_draft: int, per_round: bool) -> bool:
+    """Whether a drafter known only by its prior (acceptance, drafting cost) is worth drafting with at all:
+    some draft length up to max_draft beats a plain step on the curve. `auto` leaves out a registered block
+    drafter for which this is false."""
+    return DraftScheduler(curve, max_draft, per_round=per_round, prior=prior).best_gamma() > 0

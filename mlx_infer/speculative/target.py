@@ -1,13 +1,36 @@
-"""The parts of a target (an mlx-lm model) that block drafters borrow: its decoder-layer list, token
+"""The target of speculative decoding: `Target` (the model, its tokenizer and what measurements of it are
+keyed by), and the parts of an mlx-lm model that block drafters borrow: its decoder-layer list, token
 embedding and output head, and its sizes. Works for every mlx-lm model whose decoder layers are a
 `.layers` list (GGUF files are converted to mlx-lm models, so those too)."""
 
+from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Target:
+    """The model speculative decoding verifies with, as the Engine hands it over.
+
+    Attributes:
+        model: the mlx-lm model.
+        tokenizer: its mlx-lm TokenizerWrapper (vocab_size, encode, eos ids).
+        key: what a measurement of this model on this machine depends on (model fingerprint, weights mode,
+            backend, BLAS, kernels, MLX version): the disk-cache key of cost curves and priors.
+        names: names that identify the model for the drafter registry (repo id, file and directory names).
+        weights: the weights mode the model was loaded with ("auto", "native", "float32"): draft models
+            named by path are loaded the same way.
+    """
+
+    model: nn.Module
+    tokenizer: object
+    key: str
+    names: Tuple[str, ...] = ()
+    weights: str = "auto"
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -54,3 +77,16 @@ def dims(model: nn.Module) -> Tuple[int, int, int]:
     emb = embedding(model)
     hidden = int(emb(mx.array([0])).shape[-1])
     return len(decoder_layers(model)), hidden, int(emb.weight.shape[0])
+
+
+def output_vocab(model: nn.Module) -> int:
+    """Rows of the target's logits (its output vocabulary, padding included): the lm_head's (or tied
+    embedding's) rows; for a model without those parts, the shape of a lazily built one-token forward
+    (never evaluated)."""
+    for owner in (model, model.get("language_model")):
+        if isinstance(owner, nn.Module) and "lm_head" in owner and "weight" in owner["lm_head"]:
+            return int(owner["lm_head"]["weight"].shape[0])
+    try:
+        return int(embedding(model)["weight"].shape[0])
+    except UnsupportedModelError:
+        return int(model(mx.zeros((1, 1), dtype=mx.uint32)).shape[-1])

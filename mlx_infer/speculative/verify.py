@@ -43,8 +43,9 @@ def process_logits(
         history: every token before the block plus the pending token history[-1] (prompt + committed), ints.
         draft: the g draft tokens, ints.
         params: sampling parameters (validated).
-        processors: mlx-lm logits processors (tokens [T], logits [1, V]) -> logits [1, V]; position i sees
-            history + draft[:i], as plain decoding would after accepting draft[:i].
+        processors: mlx-lm logits processors (tokens [T], logits [1, V]) -> logits [1, V], looking back at most
+            params.repetition_context_size tokens; position i sees the tail of history + draft[:i], as plain
+            decoding would after accepting draft[:i].
 
     Returns:
         [g+1, V] float32 log-weights: for greedy (temperature 0) the log-softmax of the processed logits
@@ -52,12 +53,15 @@ def process_logits(
         distribution `mx.random.categorical` samples from in plain decoding (unnormalized).
     """
     if processors:
+        # The processors (mlx-lm's repetition penalty) look back repetition_context_size tokens at most: one
+        # array of that tail of the history plus the draft serves every position as a prefix of it.
+        tail = list(history[-params.repetition_context_size:])
+        context = mx.array(tail + list(draft), dtype=mx.uint32)  # [R + g]
         rows = []
         for i in range(logits.shape[0]):
-            tokens = mx.array(list(history) + list(draft[:i]), dtype=mx.uint32)
             row = logits[i : i + 1]
             for proc in processors:
-                row = proc(tokens, row)
+                row = proc(context[: len(tail) + i], row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [g+1, V], as generate_step
@@ -103,12 +107,21 @@ def verify_greedy(draft: mx.array, target_logprobs: mx.array) -> Tuple[mx.array,
     return n, targets[n]
 
 
+def _residual(p: mx.array, q: mx.array) -> mx.array:
+    """[N, V] rows of max(0, p - q) (unnormalized; categorical normalizes). Where p == q leaves no residual
+    a rejection is impossible, but the row is kept well defined (p itself)."""
+    residual = mx.maximum(p - q, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    return mx.where(mass > 0, residual, p)
+
+
 def verify_sampling(
     draft: mx.array,
     target_probs: mx.array,
     draft_probs: Optional[mx.array] = None,
     uniforms: Optional[mx.array] = None,
     key: Optional[mx.array] = None,
+    rejected_q: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
     """Exact speculative sampling (arXiv 2211.17192, 2302.01318).
 
@@ -124,6 +137,10 @@ def verify_sampling(
         draft_probs: [g, V] float32 drafter probabilities, or None for a deterministic drafter.
         uniforms: [g] float32 in [0, 1) for the accept tests (drawn from MLX's generator when None).
         key: optional PRNG key for the draws (MLX's global generator when None).
+        rejected_q: [V] float32 drafter probabilities of a draft token x_{g+1} that lies outside the
+            target's vocabulary (p_{g+1}(x_{g+1}) = 0, so it is rejected for certain; the verify forward stops
+            before it): when x_1..x_g are all accepted, the next token is the recovered token of that
+            rejection, from norm(max(0, p_{g+1} - rejected_q)), instead of a bonus token from p_{g+1}.
 
     Returns:
         (n, next_token): scalar int32 arrays, the accepted count and the recovered / bonus token.
@@ -133,8 +150,11 @@ def verify_sampling(
     k1 = k2 = None
     if key is not None:
         k1, k2 = mx.random.split(key)
-    if g == 0:  # nothing to verify: the bonus token from p_1
-        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(target_probs[0]), key=k2).astype(mx.int32)
+    last = target_probs[g:]  # [1, V]: the bonus row, or the residual of a certain rejection
+    if rejected_q is not None:
+        last = _residual(last, rejected_q[None].astype(target_probs.dtype))
+    if g == 0:  # nothing to verify: the bonus (or recovered) token from the last row
+        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(last[0]), key=k2).astype(mx.int32)
     p_draft = target_probs[:g]  # [g, V]
     px = mx.take_along_axis(p_draft, draft[:, None], axis=-1)[:, 0]  # [g]
     if draft_probs is None:
@@ -148,11 +168,7 @@ def verify_sampling(
         uniforms = mx.random.uniform(shape=(g,), key=k1)
     accept = uniforms * qx < px  # u < p/q without dividing (q(x) > 0 since x was drawn from q)
     n = _accepted_count(accept)
-    residual = mx.maximum(p_draft - q, 0.0)  # [g, V]
-    mass = residual.sum(axis=-1, keepdims=True)
-    # p == q leaves no residual; a rejection is then impossible, but keep the row well defined.
-    residual = mx.where(mass > 0, residual, p_draft)
-    rows = mx.concatenate([residual, target_probs[g:]], axis=0)  # [g+1, V]: residuals then the bonus row
+    rows = mx.concatenate([_residual(p_draft, q), last], axis=0)  # [g+1, V]: residuals then the last row
     row = rows[n]
     token = mx.random.categorical(mx.log(row), key=k2).astype(mx.int32)
     return n, token

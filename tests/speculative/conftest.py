@@ -5,6 +5,7 @@ import pytest
 from mlx_lm.models import llama
 
 import mlx_infer  # noqa: F401  (tests/conftest.py imported it first: the optimized BLAS is loaded)
+from mlx_infer.speculative.target import Target
 
 
 def tiny_llama(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 32, scale: float = 1.0):
@@ -38,3 +39,25 @@ def weak_drafter_model():
 def make_tiny():
     """The tiny_llama factory, for tests that need their own models."""
     return tiny_llama
+
+
+class FakeTokenizer:
+    """What speculative decoding asks of a tokenizer, for the tiny models: vocab_size, encode, get_vocab."""
+
+    def __init__(self, vocab: int = 64):
+        self.vocab_size = vocab
+
+    def encode(self, text):
+        return [1 + (ord(c) % (self.vocab_size - 4)) for c in text]
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(self.vocab_size)}
+
+
+@pytest.fixture
+def make_target(tmp_path):
+    """Target(model, a FakeTokenizer, key unique to the test, names) for SpecState and the calibrations."""
+    def make(model, names=("tiny",), vocab: int = 64):
+        return Target(model, FakeTokenizer(vocab), key=f"test|{tmp_path}|{id(model)}", names=tuple(names),
+                      weights="float32")
+    return make

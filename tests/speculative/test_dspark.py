@@ -3,7 +3,6 @@ verify length (Algorithm 1 with the early break; threshold), and losslessness wi
 
 import json
 import random
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -14,7 +13,7 @@ from test_lossless_sampling import V as SV
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
-from mlx_infer.speculative import MODES, SpecStats, make_drafter, speculative_tokens
+from mlx_infer.speculative import MODES, SpecOptions, SpecState, SpecStats, speculative_tokens
 from mlx_infer.speculative.confidence import ConfidenceSchedule, verify_length
 from mlx_infer.speculative.drafters.dflash import DFlashDrafter, save_dflash_model
 from mlx_infer.speculative.drafters.dspark import DSparkDrafter, load_dspark, load_dspark_model, save_dspark_model
@@ -136,19 +135,18 @@ def test_sampling_same_distribution(small, exact, schedule):  # noqa: F811
     assert accepted > 0
 
 
-def test_make_drafter_modes(tmp_path, target):
+def test_spec_state_builds_block_drafters(tmp_path, target, make_target):
     assert "dflash" in MODES and "dspark" in MODES
-    src = SimpleNamespace(name="tiny", path=tmp_path / "tiny", mlx_dir=tmp_path / "tiny")
-    engine = SimpleNamespace(model=target, source=src)
+    state = SpecState(make_target(target, names=("tiny",)))
     save_dflash_model(random_dflash(seed=3), tmp_path)
-    d = make_drafter("dflash", engine, str(tmp_path))
+    d = state.drafter(SpecOptions("dflash", str(tmp_path)))
     assert isinstance(d, DFlashDrafter) and d.max_draft == 3 and d.target_layer_ids == [0, 1]
-    again = make_drafter("dflash", engine, str(tmp_path))
+    again = state.drafter(SpecOptions("dflash", str(tmp_path)))
     assert again is not d and again.model is d.model  # a fresh drafter state, the weights loaded once
     ready = DSparkDrafter(random_dspark(seed=4), target)
-    assert make_drafter("dspark", engine, ready) is ready
+    assert state.drafter(SpecOptions("dspark", ready)) is ready
     with pytest.raises(MlxInferError, match="no dflash drafter is known for this model; pass --draft-model"):
-        make_drafter("dflash", engine, None)  # nothing registered for "tiny"
+        state.drafter(SpecOptions("dflash"))  # nothing registered for "tiny"
     for mode in ("lookup", "layerskip"):  # modes that draft without a model refuse one instead of loading it
         with pytest.raises(MlxInferError, match=f"speculative='{mode}' uses no draft model"):
-            make_drafter(mode, engine, str(tmp_path))
+            SpecOptions(mode, str(tmp_path))

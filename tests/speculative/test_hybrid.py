@@ -11,7 +11,20 @@ from mlx_infer.speculative import SpecStats, speculative_tokens
 from mlx_infer.speculative.drafters.base import Draft
 from mlx_infer.speculative.drafters.dflash import DFlashDrafter
 from mlx_infer.speculative.drafters.hybrid import BLOCK_KEY, LookupThenBlock
-from mlx_infer.speculative.schedule import PROBE_EVERY, CostCurve, DraftScheduler
+from mlx_infer.speculative.cost import CostCurve
+from mlx_infer.speculative.schedule import PROBE_EVERY, DraftScheduler
+
+
+class KeyRecorder(DraftScheduler):
+    """A DraftScheduler that records the bucket of every round it observes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keys = []
+
+    def observe(self, proposed, accepted, draft_s, verify_s, key=None, **kw):
+        self.keys.append(key)
+        super().observe(proposed, accepted, draft_s, verify_s, key=key, **kw)
 
 
 @pytest.mark.parametrize("vocab", [64, 8])
@@ -22,16 +35,10 @@ def test_greedy_identical_and_both_sources_used(make_tiny, vocab):
     for p in prompts(vocab, 12):
         base = list(plain_tokens(target, p, SamplingParams(), 24))
         drafter = LookupThenBlock(DFlashDrafter(model, target))
-        scheduler = DraftScheduler(CostCurve({w: 1.0 for w in range(1, 9)}), drafter.max_draft, free=True)
-        drafter.worth_drafting = scheduler.worth
-        keys = []
+        scheduler = KeyRecorder(CostCurve({w: 1.0 for w in range(1, 9)}), drafter.max_draft, free=True)
         stats = SpecStats()
-
-        def observe(g, n, draft_s, verify_s, **kw):
-            keys.append(kw.get("key"))
-            scheduler.observe(g, n, draft_s, verify_s, **kw)
-
-        out = list(speculative_tokens(target, p, SamplingParams(), 24, drafter, scheduler, stats, observe=observe))
+        out = list(speculative_tokens(target, p, SamplingParams(), 24, drafter, scheduler, stats))
+        keys = scheduler.keys
         assert out == base, p
         assert stats.mode == "lookup+dflash"
         used |= {"block" if k == BLOCK_KEY else "lookup" for k in keys if k is not None}

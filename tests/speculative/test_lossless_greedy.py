@@ -8,7 +8,8 @@ from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, SpecStats, speculative_tokens
 from mlx_infer.speculative.drafters.layerskip import LayerSkipDrafter
-from mlx_infer.speculative.schedule import CostCurve, DraftScheduler
+from mlx_infer.speculative.cost import CostCurve
+from mlx_infer.speculative.schedule import DraftScheduler
 
 V = 64
 MAX_TOKENS = 14
@@ -81,6 +82,5 @@ def test_greedy_identical_with_scheduled_gamma(target, weak_drafter_model, basel
     for make in (LookupDrafter, lambda: DraftModelDrafter(weak_drafter_model)):
         for prompt, base in zip(PROMPTS[:20], baselines[:20]):
             scheduler = DraftScheduler(curve, max_draft=8)
-            out = list(speculative_tokens(target, prompt, SamplingParams(), MAX_TOKENS, make(), scheduler,
-                                          observe=scheduler.observe))
+            out = list(speculative_tokens(target, prompt, SamplingParams(), MAX_TOKENS, make(), scheduler))
             assert out == base, (slope, prompt)

@@ -2,6 +2,7 @@
 the target cache holds prompt + yielded tokens except the last yielded one: offset == P + yielded - 1."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
@@ -61,16 +62,22 @@ def test_plain_rounds_launched_ahead(target):
     assert spy.widths.count(1) == 10
 
 
-class WidthSpy:
-    """Wraps a model and records the width of every forward."""
+class WidthSpy(nn.Module):
+    """Wraps a model and records the width of every forward (its lm_head shows the output vocabulary)."""
 
     def __init__(self, model):
-        self.model, self.widths = model, []
+        super().__init__()
+        self.inner, self.lm_head = model, model.lm_head
         self.layers = model.layers
+        self._widths = []
+
+    @property
+    def widths(self):
+        return self._widths
 
     def __call__(self, x, cache=None):
-        self.widths.append(x.shape[1])
-        return self.model(x, cache=cache)
+        self._widths.append(x.shape[1])
+        return self.inner(x, cache=cache)
 
 
 def test_gamma_larger_than_remaining(target):
@@ -115,7 +122,7 @@ def test_rotating_window_too_small_is_a_clear_error(target):
 
 
 def test_draft_model_vocab_mismatch_is_a_clear_error():
-    from mlx_infer.speculative import check_same_vocab
+    from mlx_infer.speculative.drafters.draft_model import check_same_vocab
 
     class Tok:
         def __init__(self, v):

@@ -6,14 +6,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
-from mlx_infer.speculative.schedule import (
-    PROBE_EVERY,
-    CostCurve,
-    DraftScheduler,
-    expected_committed,
-    measure_cost_curve,
-    speculation_pays,
-)
+from mlx_infer.speculative import SpecOptions, SpecState
+from mlx_infer.speculative.cost import CostCurve, measure_cost_curve
+from mlx_infer.speculative.schedule import PROBE_EVERY, DraftScheduler, FixedGamma, expected_committed, speculation_pays
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -50,7 +45,7 @@ def test_scheduler_picks_long_drafts_when_they_are_accepted_and_cheap():
     s = DraftScheduler(CostCurve({w: 1.0 + 0.01 * w for w in range(1, 10)}), max_draft=8)
     for _ in range(60):
         s.observe(8, 8, 0.0, s.curve(9))
-    assert s() == 8
+    assert s.gamma() == 8
 
 
 def test_scheduler_falls_back_to_plain_steps_and_probes():
@@ -59,7 +54,7 @@ def test_scheduler_falls_back_to_plain_steps_and_probes():
         s.observe(2, 0, 0.01, s.curve(3))  # every draft rejected at once
     choices = []
     for _ in range(PROBE_EVERY + 1):
-        choices.append(s())
+        choices.append(s.gamma())
         s.observe(0, 0, 0.0, s.curve(1))  # a plain round
     assert choices == [0] * PROBE_EVERY + [2]  # after PROBE_EVERY plain rounds a probe refreshes the estimates
 
@@ -72,7 +67,7 @@ def test_probes_back_off_while_the_verdict_stands():
         s.observe(2, 0, 0.01, s.curve(3))
     probes = []
     for r in range(PROBE_EVERY * 7 + 3):
-        g = s()
+        g = s.gamma()
         if g:
             probes.append(r)
         s.observe(g, 0, 0.01 * g, s.curve(g + 1))
@@ -81,7 +76,7 @@ def test_probes_back_off_while_the_verdict_stands():
     assert s.plain_next() is True  # the next round is plain whatever token this one commits
     for _ in range(40):
         s.observe(2, 2, 0.0, s.curve(3))
-    assert s() > 0
+    assert s.gamma() > 0
 
 
 def test_new_request_keeps_a_bounded_memory():
@@ -90,12 +85,12 @@ def test_new_request_keeps_a_bounded_memory():
 
     s = DraftScheduler(CostCurve({w: 1.0 + 0.05 * (w - 1) for w in range(1, 10)}), max_draft=4,
                        prior=Prior(acceptance=0.1, weight=4, draft_cost=0.05))
-    assert s() == 0  # the prior alone: not worth drafting
+    assert s.gamma() == 0  # the prior alone: not worth drafting
     for _ in range(100):
         s.observe(4, 4, 0.2, s.curve(5))
     s.new_request()
     assert max(s.trials[None]) == pytest.approx(MEMORY_TRIALS)
-    assert s.rates()[0] > 0.6 and s() > 0
+    assert s.rates()[0] > 0.6 and s.gamma() > 0
 
 
 def test_scheduler_counts_only_observed_positions():
@@ -108,7 +103,7 @@ def test_scheduler_counts_only_observed_positions():
 def test_scheduler_learns_fast_from_rejections():
     """A drafter that is always wrong is dropped after a few rounds, not after dozens."""
     s = DraftScheduler(CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 10)}), max_draft=8)
-    assert s() == 2  # drafting cost unknown: a short first draft
+    assert s.gamma() == 2  # drafting cost unknown: a short first draft
     for _ in range(4):
         s.observe(2, 0, 0.6, s.curve(3))  # rejected at once; each draft token costs 0.3 of a target forward
     assert s.best_gamma() == 0
@@ -159,7 +154,7 @@ def test_free_drafter_asks_for_the_most_and_cuts_per_bucket():
     from mlx_infer.speculative.drafters.base import Draft
 
     s = DraftScheduler(CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
-    assert s() == 8
+    assert s.gamma() == 8
     for _ in range(30):
         s.observe(8, 8, 0.0, s.curve(9), key=3)  # long matches: always accepted
         s.observe(2, 0, 0.0, s.curve(3), key=1)  # one-token matches: always rejected
@@ -173,41 +168,35 @@ def test_block_drafter_cost_is_per_round():
     a drafter that is always wrong is dropped for plain steps."""
     curve = CostCurve({w: 1.0 + 0.02 * (w - 1) for w in range(1, 17)})
     good, bad = DraftScheduler(curve, 15, per_round=True), DraftScheduler(curve, 15, per_round=True)
-    assert good() == 15  # cost unknown: the first round drafts a block
+    assert good.gamma() == 15  # cost unknown: the first round drafts a block
     for _ in range(40):
         good.observe(15, 15, 0.3, good.curve(16))
         bad.observe(15, 0, 0.3, bad.curve(16))
     assert good.draft_cost == pytest.approx(0.3)  # seconds per pass, not per token
-    assert good() == 15
+    assert good.gamma() == 15
     assert bad.best_gamma() == 0
 
 
-def test_prepare_measures_once_and_says_so(make_tiny, tmp_path, monkeypatch):
+def test_prepare_measures_once_and_says_so(make_tiny, make_target, tmp_path, monkeypatch):
     """prepare() measures the cost curve (and layerskip's calibration) before the first request, with a
-    line each; the second time everything comes from the disk cache, silently."""
-    from types import SimpleNamespace
-
-    from mlx_infer.speculative import prepare
-
+    line each; the second time (a new process: a new SpecState) everything comes from the disk cache,
+    silently."""
     monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
-    model = make_tiny(seed=6, layers=4)
-    tokenizer = SimpleNamespace(vocab_size=64, encode=lambda text: [1 + (ord(c) % 60) for c in text])
-    engine = SimpleNamespace(model=model, tokenizer=tokenizer,
-                             source=SimpleNamespace(mlx_dir=tmp_path / "m", weights="float32"))
+    target = make_target(make_tiny(seed=6, layers=4))
     said = []
-    prepare(engine, "off", "auto", said.append)
+    SpecState(target).prepare(SpecOptions("off"), say=said.append)
     assert said == []
-    prepare(engine, "lookup", 4, said.append)  # pinned gamma: nothing to measure
+    SpecState(target).prepare(SpecOptions("lookup", max_draft=4), say=said.append)  # pinned: nothing to measure
     assert said == []
-    prepare(engine, "lookup", "auto", said.append)
+    SpecState(target).prepare(SpecOptions("lookup"), say=said.append)
     assert len(said) == 1 and "verify cost" in said[0]
     said.clear()
-    prepare(engine, "lookup", "auto", said.append)
+    SpecState(target).prepare(SpecOptions("lookup"), say=said.append)
     assert said == []
-    prepare(engine, "layerskip", "auto", said.append)  # its calibration, then its prior
+    SpecState(target).prepare(SpecOptions("layerskip"), say=said.append)  # its calibration, then its prior
     assert len(said) == 2 and "layerskip" in said[0] and "agrees" in said[1]
     said.clear()
-    prepare(engine, "layerskip", "auto", said.append)
+    SpecState(target).prepare(SpecOptions("layerskip"), say=said.append)
     assert said == []
 
 
@@ -220,7 +209,7 @@ def test_a_calibrated_bad_drafter_is_first_probed_late():
                        prior=Prior(acceptance=0.1, weight=4, draft_cost=0.5, first_probe=128))
     probes = []
     for r in range(128 + 1 + 256 + 1):
-        g = s()
+        g = s.gamma()
         probes += [r] if g else []
         s.observe(g, 0, 0.5 * g, s.curve(g + 1))
     assert probes == [128, 128 + 1 + 256]

@@ -1,9 +1,13 @@
 """The drafter interface: propose from the context, learn from what was accepted."""
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
+
+
+#: DraftPolicy.worth as a drafter sees it: callable(bucket key) -> bool, or None (every source is worth it).
+Worth = Optional[Callable[[Optional[int]], bool]]
 
 
 @dataclass
@@ -41,12 +45,24 @@ class Drafter:
     #: to `begin` (the prompt head) and `update` (the anchor and the accepted drafts).
     wants_hidden = False
     target_layer_ids: Sequence[int] = ()
+    #: most tokens one proposal can hold (block drafters: their block), None: no limit of its own.
+    max_draft: Optional[int] = None
+    #: the drafter cuts its own proposals (DSpark's confidence schedule): max_draft="auto" then asks it for
+    #: its whole block every round instead of scheduling gamma.
+    self_scheduled = False
+    #: a stable identity of a model drafter (its checkpoint, path or skip set) under which its calibration
+    #: prior is cached on disk; None: not cached (a model object handed in by the caller).
+    ident: Optional[str] = None
 
     def begin(self, prompt_ids: Sequence[int], params) -> None:
         """Called once before the first round with the prompt token ids and the SamplingParams."""
 
-    def propose(self, context: Sequence[int], gamma: int) -> Draft:
-        """Propose at most `gamma` (>= 0) tokens that follow `context` (ints)."""
+    def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
+        """Propose at most `gamma` (>= 0) tokens that follow `context` (ints).
+
+        worth: the policy's judgement of a source (DraftPolicy.worth): a drafter with several sources of
+        different cost (drafters/hybrid.py) proposes only from one worth its cost; None: every source is.
+        """
         raise NotImplementedError
 
     def possible_keys(self, context: Sequence[int]):

@@ -10,6 +10,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ...errors import MlxInferError
+from ...loading.hub import download_repo, looks_like_repo_id
 
 
 def resolve_dir(path: Union[str, Path]) -> Path:
@@ -21,8 +22,6 @@ def resolve_dir(path: Union[str, Path]) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         return p
-    from ...loading.hub import download_repo, looks_like_repo_id
-
     if isinstance(path, str) and looks_like_repo_id(path):
         return Path(download_repo(path))
     raise MlxInferError(f"no drafter at {path}; give a drafter directory (config.json + .safetensors) or a repo id")

@@ -9,7 +9,7 @@ Backbone's parameter names (fc, hidden_norm, norm, layers.{i}.*).
 """
 
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,7 +18,7 @@ from ...errors import MlxInferError
 from .. import target as target_parts
 from ..capture import default_layer_ids
 from .backbone import Backbone, BackboneConfig, backbone_config, backbone_keys
-from .base import Draft
+from .base import Draft, Worth
 from .block import BlockDrafter, check_fits
 from .checkpoint import load_strict, read_checkpoint, require, resolve_dir, write_checkpoint
 
@@ -115,6 +115,7 @@ class DFlashDrafter(BlockDrafter):
     Args:
         model: a DFlashModel.
         target: the target mlx-lm model (its embedding and lm_head are used).
+        ident: the checkpoint's identity, under which its calibration prior is cached (None: not cached).
 
     Raises:
         MlxInferError: the drafter does not fit the target (hidden size, vocabulary, num_target_layers, taps).
@@ -122,16 +123,17 @@ class DFlashDrafter(BlockDrafter):
 
     name = "dflash"
 
-    def __init__(self, model: DFlashModel, target: nn.Module):
+    def __init__(self, model: DFlashModel, target: nn.Module, ident: Optional[str] = None):
         check_fits("the DFlash drafter", target, model.cfg.hidden_size, model.vocab_size, model.num_target_layers,
                    model.target_layer_ids, model.mask_token_id)
         super().__init__(model, target_parts.embedding(target), target_parts.output_head(target))
+        self.ident = ident
 
     @property
     def max_draft(self) -> int:
         return self.block_size - 1
 
-    def propose(self, context: Sequence[int], gamma: int) -> Draft:
+    def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
         g = min(gamma, self.block_size - 1)
         h = self.block_hidden(context)  # [B, H]; always run: it moves the pending context into the cache
         if g <= 0:

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from ...defaults import PREFILL_STEP_SIZE
 from ...errors import MlxInferError
 from ..verify import probabilities, process_logits
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Worth
 
 
 def check_same_vocab(target_tokenizer, draft_tokenizer, what: str = "the draft model") -> None:
@@ -46,6 +46,8 @@ class DraftModelDrafter(Drafter):
 
     Args:
         model: an mlx-lm model whose caches are trimmable.
+        ident: a stable identity (e.g. "draft:<path>") under which its calibration prior is cached; None: not
+            cached (a model object handed in by the caller).
 
     Raises:
         MlxInferError: the draft model's cache cannot roll back.
@@ -53,8 +55,9 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ident: Optional[str] = None):
         self.model = model
+        self.ident = ident
         if not can_trim_prompt_cache(make_prompt_cache(model)):
             raise MlxInferError("the draft model's KV cache cannot roll back (not trimmable); pick another draft model")
         self.cache = None
@@ -83,7 +86,7 @@ class DraftModelDrafter(Drafter):
             del self.fed[keep:]
         return list(context[keep:])
 
-    def propose(self, context: Sequence[int], gamma: int) -> Draft:
+    def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
         if gamma <= 0:
             return Draft([])
         tail = [int(t) for t in self._sync(context)]

@@ -26,7 +26,7 @@ from ...errors import MlxInferError
 from ..capture import default_layer_ids
 from ..confidence import ConfidenceSchedule
 from .backbone import Backbone, BackboneConfig, backbone_config, backbone_keys
-from .base import Draft
+from .base import Draft, Worth
 from .block import BlockDrafter, check_fits
 from .checkpoint import load_strict, read_checkpoint, require, resolve_dir, write_checkpoint
 
@@ -155,6 +155,7 @@ class DSparkDrafter(BlockDrafter):
         model: a DSparkModel.
         target: the target mlx-lm model (checked for fit; the drafter uses its own embedding / lm_head copies).
         schedule: ConfidenceSchedule (default: keep all drafts). Ignored without a confidence head.
+        ident: the checkpoint's identity, under which its calibration prior is cached (None: not cached).
 
     Attributes:
         last_confidence: c_1..c_g of the last proposal (floats).
@@ -164,19 +165,22 @@ class DSparkDrafter(BlockDrafter):
     """
 
     name = "dspark"
+    self_scheduled = True
 
-    def __init__(self, model: DSparkModel, target: nn.Module, schedule: Optional[ConfidenceSchedule] = None):
+    def __init__(self, model: DSparkModel, target: nn.Module, schedule: Optional[ConfidenceSchedule] = None,
+                 ident: Optional[str] = None):
         check_fits("the DSpark drafter", target, model.cfg.hidden_size, model.vocab_size, model.num_target_layers,
                    model.target_layer_ids, model.mask_token_id)
         super().__init__(model, model.embed_tokens, model.lm_head)
         self.schedule = schedule or ConfidenceSchedule()
+        self.ident = ident
         self.last_confidence = []
 
     @property
     def max_draft(self) -> int:
         return self.block_size
 
-    def propose(self, context: Sequence[int], gamma: int) -> Draft:
+    def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
         m = self.model
         g = min(gamma, self.block_size)
         h = self.block_hidden(context)  # [B, H]

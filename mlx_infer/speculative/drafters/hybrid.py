@@ -4,19 +4,24 @@ the context repeats itself (free, and nearly always right on copied text), the b
 Each proposal is tagged with its bucket (`Draft.key`: lookup's matched n-gram length, BLOCK_KEY for the
 block drafter), so the scheduler (schedule.DraftScheduler, free mode) learns the acceptance of each source
 separately and cuts each proposal to the length worth verifying. The block drafter's pass is not free:
-it runs only while `worth_drafting(BLOCK_KEY)` says its expected gain covers its cost (with a probe now and
-then), so a weak drafter costs almost nothing and a strong one is used wherever lookup has no match.
+it runs only while the policy's `worth(BLOCK_KEY)` (passed to `propose`) says its expected gain covers its
+cost (with a probe now and then), so a weak drafter costs almost nothing and a strong one is used wherever lookup has no match.
 """
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Worth
 from .lookup import LookupDrafter
 
 #: Draft.key of the block drafter's proposals (lookup keys are match lengths >= 1).
 BLOCK_KEY = 0
+
+
+def always(key: Optional[int]) -> bool:
+    """Every source is worth drafting from (no policy given)."""
+    return True
 
 
 class LookupThenBlock(Drafter):
@@ -25,10 +30,6 @@ class LookupThenBlock(Drafter):
     Args:
         block: a BlockDrafter (fed the target's taps; its context is updated every round, drafting or not).
         lookup: the lookup drafter (default LookupDrafter()).
-
-    Attributes:
-        worth_drafting: callable(key) -> bool, whether a proposal of bucket `key` is worth its cost this round
-            (set by the scheduler; default: always).
     """
 
     free = True
@@ -40,17 +41,20 @@ class LookupThenBlock(Drafter):
         self.name = f"lookup+{block.name}"
         self.target_layer_ids = list(block.target_layer_ids)
         self.max_draft = block.max_draft
-        self.worth_drafting: Callable[[int], bool] = lambda key: True
+        self.ident = block.ident
 
     def begin(self, prompt_ids: Sequence[int], params, hidden: Optional[mx.array] = None) -> None:
         self.lookup.begin(prompt_ids, params)
         self.block.begin(prompt_ids, params, hidden=hidden)
 
-    def propose(self, context: Sequence[int], gamma: int) -> Draft:
+    def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
+        """Lookup's proposal when it has one worth verifying, else the block drafter's when that is worth its
+        pass (worth: DraftPolicy.worth; None: both always are), else an empty draft."""
+        worth = worth or always
         draft = self.lookup.propose(context, gamma)
-        if draft.tokens and self.worth_drafting(draft.key):
+        if draft.tokens and worth(draft.key):
             return draft
-        if self.worth_drafting(BLOCK_KEY):
+        if worth(BLOCK_KEY):
             draft = self.block.propose(context, gamma)
             return Draft(draft.tokens, draft.q, BLOCK_KEY)
         return Draft([], key=BLOCK_KEY)

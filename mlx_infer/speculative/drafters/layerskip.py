@@ -16,7 +16,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ...errors import MlxInferError
 from ...paths import cached_json
-from ..prior import CALIBRATION_TEXT, agreement
+from ..calibrate import CALIBRATION_TEXT, agreement
+from ..target import Target
 from .draft_model import DraftModelDrafter
 
 #: Draft length assumed when candidate skip sets are compared.
@@ -73,11 +74,10 @@ def calibrate(model: nn.Module, tokenizer) -> List[int]:
     return best
 
 
-def cached_skip_set(engine, say: Optional[Callable[[str], None]] = None) -> List[int]:
-    """The calibrated skip set of an Engine's model, from the disk cache or calibrated once and saved
+def cached_skip_set(target: Target, say: Optional[Callable[[str], None]] = None) -> List[int]:
+    """The calibrated skip set of the target, from the disk cache or calibrated once and saved
     (say: called with a one-line message before a calibration)."""
-    data = cached_json("layerskip", f"{engine.source.mlx_dir}|{engine.source.weights}",
-                       lambda: {"model": str(engine.source.mlx_dir), "skip": calibrate(engine.model, engine.tokenizer)},
+    data = cached_json("layerskip", target.key, lambda: {"skip": calibrate(target.model, target.tokenizer)},
                        say=say, message="calibrating which layers layerskip skips")
     return [int(i) for i in data["skip"]]
 
@@ -94,5 +94,5 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def __init__(self, model: nn.Module, skip: Sequence[int]):
         keep = [i for i in range(len(model.layers)) if i not in set(skip)]
-        super().__init__(skip_view(model, keep))
+        super().__init__(skip_view(model, keep), ident=f"layerskip:{sorted(skip)}")
         self.skip = list(skip)

@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from ...defaults import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Worth
 
 
 def find_continuation(context: np.ndarray, n: int, limit: int) -> np.ndarray:
@@ -50,7 +50,7 @@ class LookupDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, context: Sequence[int], gamma: int) -> Draft:
+    def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
         if gamma <= 0:
             return Draft([])
         ctx = np.asarray(context, dtype=np.int64)

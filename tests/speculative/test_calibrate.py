@@ -1,53 +1,48 @@
-"""What the scheduler knows before a request: a model drafter's calibration prior, and which lookup
+"""What the scheduler knows before a request: a model drafter's calibration prior (calibrate.py), and which lookup
 buckets the next round could draft from (what lets a plain round be launched ahead)."""
 
+import json
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
+import pytest
+from block_drafters import random_dflash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlx_infer.speculative import SpecOptions, SpecState, state as state_mod
+from mlx_infer.speculative.calibrate import (PRIOR_FIRST_PROBE, PRIOR_WEIGHT, block_agreement, drafter_prior,
+                                             measure_block_prior, measure_prior)
+from mlx_infer.speculative.capture import TargetTaps
+from mlx_infer.speculative.cost import CostCurve
+from mlx_infer.speculative.drafters.base import Draft, Drafter
+from mlx_infer.speculative.drafters.dflash import DFlashDrafter, save_dflash_model
+from mlx_infer.speculative.drafters.draft_model import DraftModelDrafter
 from mlx_infer.speculative.drafters.hybrid import BLOCK_KEY, LookupThenBlock
 from mlx_infer.speculative.drafters.lookup import LookupDrafter
-import mlx.core as mx
-import pytest
-from block_drafters import random_dflash
-
-from mlx_infer import speculative
-from mlx_infer.speculative import prior as prior_mod
-from mlx_infer.speculative.capture import TargetTaps
-from mlx_infer.speculative.drafters.base import Draft, Drafter
-from mlx_infer.speculative.drafters.dflash import DFlashDrafter
-from mlx_infer.speculative.prior import (PRIOR_FIRST_PROBE, PRIOR_WEIGHT, block_agreement, block_pays, drafter_prior,
-                                         measure_block_prior, measure_prior)
-from mlx_infer.speculative.schedule import CostCurve, Prior
+from mlx_infer.speculative.schedule import Prior, drafter_pays
 
 
-def fake_engine(model, tmp_path):
-    tokenizer = SimpleNamespace(vocab_size=64, encode=lambda text: [1 + (ord(c) % 60) for c in text])
-    return SimpleNamespace(model=model, tokenizer=tokenizer,
-                           source=SimpleNamespace(mlx_dir=tmp_path / "m", weights="float32"))
-
-
-def test_prior_agreement_is_one_for_the_target_itself_and_lower_for_a_stranger(target, weak_drafter_model, tmp_path):
-    engine = fake_engine(target, tmp_path)
-    same = measure_prior(engine, target)
-    other = measure_prior(engine, weak_drafter_model)
+def test_prior_agreement_is_one_for_the_target_itself_and_lower_for_a_stranger(target, weak_drafter_model, make_target):
+    t = make_target(target)
+    same = measure_prior(t, target)
+    other = measure_prior(t, weak_drafter_model)
     assert same.acceptance == 1.0 and same.weight == PRIOR_WEIGHT and same.draft_cost > 0
     assert other.acceptance < 0.5
 
 
-def test_prior_is_cached_per_drafter_identity(target, weak_drafter_model, tmp_path, monkeypatch):
+def test_prior_is_cached_per_drafter_identity(target, weak_drafter_model, tmp_path, monkeypatch, make_target):
     """Measured once per identity (a line said before measuring), then read from disk; no identity (a
     model object): measured afresh, never cached."""
     monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
-    engine = fake_engine(target, tmp_path)
+    t = make_target(target)
     said = []
-    first = drafter_prior(engine, weak_drafter_model, "draft:/x", said.append)
-    again = drafter_prior(engine, target, "draft:/x", said.append)  # the cache answers, not the model
+    first = drafter_prior(t, DraftModelDrafter(weak_drafter_model, "draft:/x"), said.append)
+    again = drafter_prior(t, DraftModelDrafter(target, "draft:/x"), said.append)  # the cache answers, not the model
     assert len(said) == 1 and again.acceptance == first.acceptance
-    assert drafter_prior(engine, target, "draft:/y").acceptance == 1.0
-    assert drafter_prior(engine, target, None).acceptance == 1.0
+    assert drafter_prior(t, DraftModelDrafter(target, "draft:/y")).acceptance == 1.0
+    assert drafter_prior(t, DraftModelDrafter(target)).acceptance == 1.0
     assert len(list((tmp_path / "prior").glob("*.json"))) == 2
 
 
@@ -64,7 +59,7 @@ class OracleBlock(Drafter):
     def begin(self, prompt_ids, params, hidden=None):
         self.rows = 0 if hidden is None else hidden.shape[1]
 
-    def propose(self, context, gamma):
+    def propose(self, context, gamma, worth=None):
         assert self.rows == len(context) - 1  # fed the taps of every committed token but the anchor
         return Draft([mx.argmax(self.target(mx.array(context)[None])[0, -1]).item()][:gamma])
 
@@ -74,11 +69,11 @@ class OracleBlock(Drafter):
 
 
 @pytest.mark.parametrize("stride", [1, 2, 3])
-def test_block_agreement_is_one_for_the_target_and_matches_fresh_drafters(make_tiny, tmp_path, stride):
+def test_block_agreement_is_one_for_the_target_and_matches_fresh_drafters(make_tiny, make_target, stride):
     """An oracle drafter agrees everywhere (the anchors and taps line up); a random DFlash drafter fed its
     context incrementally agrees exactly where a fresh drafter given the same taps at once does."""
     target = make_tiny(seed=1, vocab=8, scale=3.0)  # a small vocabulary: a random drafter is sometimes right
-    engine = fake_engine(target, tmp_path)
+    engine = make_target(target, vocab=8)
     tokens = mx.array([(5 * i * i + 3 * i) % 8 for i in range(40)])[None]
     assert block_agreement(engine, OracleBlock(target), tokens, stride) == 1.0
     model = random_dflash(seed=7, vocab=8, block=4)
@@ -95,29 +90,31 @@ def test_block_agreement_is_one_for_the_target_and_matches_fresh_drafters(make_t
     assert got == pytest.approx(same / len(anchors))
 
 
-def test_block_prior_measures_a_drafting_pass(target, tmp_path):
-    prior = measure_block_prior(fake_engine(target, tmp_path), DFlashDrafter(random_dflash(seed=7), target))
+def test_block_prior_measures_a_drafting_pass(target, make_target):
+    prior = measure_block_prior(make_target(target), DFlashDrafter(random_dflash(seed=7), target))
     assert 0 <= prior.acceptance < 0.5 and prior.draft_cost > 0
     assert prior.weight == PRIOR_WEIGHT and prior.first_probe == PRIOR_FIRST_PROBE
 
 
 @pytest.mark.parametrize("acceptance, draft_cost, pays", [(0.9, 0.1, True), (0.05, 0.1, False), (0.9, 5.0, False)])
-def test_auto_leaves_out_a_block_drafter_that_cannot_pay(target, tmp_path, monkeypatch, acceptance, draft_cost, pays):
+def test_auto_leaves_out_a_block_drafter_that_cannot_pay(target, tmp_path, monkeypatch, make_target, acceptance,
+                                                         draft_cost, pays):
     """auto backs lookup with the registered block drafter only when the drafter's prior, on the cost curve,
-    makes some draft length beat a plain step."""
-    from mlx_infer.speculative import registry, schedule
-    from mlx_infer.speculative.drafters.hybrid import LookupThenBlock
-
-    block = DFlashDrafter(random_dflash(seed=7), target)
-    monkeypatch.setattr(schedule, "cost_curve", lambda engine, width, say=None: CostCurve(
+    makes some draft length beat a plain step. Expected by hand: on a curve of 1 + 0.1 (w - 1) s a 3-token
+    block fully accepted at 0.9 commits 1 + .9 + .81 + .73 = 3.44 tokens in 1.3 s + the pass (0.1 s): 2.5
+    tokens/s against 1 for a plain step; at acceptance 0.05 about 1.05 tokens in 1.1 s + 0.1 s (0.88 /s);
+    with a 5 s pass 3.44 tokens in 6.3 s (0.55 /s)."""
+    save_dflash_model(random_dflash(seed=7), tmp_path / "d")
+    registry = tmp_path / "registry.json"
+    registry.write_text(json.dumps({"drafters": [{"match": ["tiny"], "kind": "dflash", "path": "d"}]}))
+    monkeypatch.setattr(state_mod, "cost_curve", lambda target, width, say=None: CostCurve(
         {w: 1.0 + 0.1 * (w - 1) for w in range(1, width + 1)}, 1.0))
-    monkeypatch.setattr(prior_mod, "block_prior", lambda engine, drafter, say=None: Prior(acceptance, 4.0, draft_cost))
-    monkeypatch.setattr(registry, "registered_drafter", lambda engine: block)
-    engine = fake_engine(target, tmp_path)
-    assert block_pays(engine, block) is pays
-    drafter = speculative.make_drafter("auto", engine)
-    assert isinstance(drafter, LookupThenBlock) is pays and (drafter.block is block if pays else True)
-    assert isinstance(drafter, LookupDrafter) is not pays
+    monkeypatch.setattr(state_mod, "drafter_prior", lambda target, drafter, say=None: Prior(acceptance, 4.0, draft_cost))
+    state = SpecState(make_target(target), registry=registry)
+    drafter = state.drafter(SpecOptions("auto"))
+    assert isinstance(drafter, LookupThenBlock) is pays and isinstance(drafter, LookupDrafter) is not pays
+    curve = CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}, 1.0)
+    assert drafter_pays(curve, Prior(acceptance, 4.0, draft_cost), 3, per_round=True) is pays
 
 
 @settings(max_examples=200, deadline=None)
@@ -147,5 +144,5 @@ def _matches(context, n):
 
 
 def test_hybrid_can_always_draft_from_its_block_drafter():
-    block = SimpleNamespace(name="dflash", target_layer_ids=[0], max_draft=4)
+    block = SimpleNamespace(name="dflash", target_layer_ids=[0], max_draft=4, ident=None)
     assert LookupThenBlock(block).possible_keys([1, 2, 3]) == {1, BLOCK_KEY}

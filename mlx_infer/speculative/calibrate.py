@@ -1,9 +1,8 @@
-"""What a model drafter (a draft model, layer skip, a DFlash / DSpark block drafter) is worth before any
-request: its teacher-forced agreement with the target on a fixed calibration text (the acceptance of a
-first draft token under greedy verification) and the seconds of one drafting step (one drafting pass for a
-block drafter), measured once and cached per target, drafter and machine. The scheduler starts from this
-prior instead of paying probe rounds to learn it, and `auto` leaves out a block drafter whose prior says it
-cannot pay (`block_pays`).
+"""Calibration: what a model drafter (a draft model, layer skip, a DFlash / DSpark block drafter) is worth
+before any request: its teacher-forced agreement with the target on a fixed calibration text (the acceptance
+of a first draft token under greedy verification) and the seconds of one drafting step (one drafting pass
+for a block drafter), measured once and cached per target, drafter and machine. The scheduler starts from
+this prior instead of paying probe rounds to learn it (the decision itself is schedule.drafter_pays).
 """
 
 import time
@@ -13,6 +12,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..paths import cached_json
+from .capture import TargetTaps
+from .cost import measure_cost_curve
+from .drafters.base import Drafter
+from .drafters.block import BlockDrafter
+from .schedule import Prior
+from .target import Target
 
 #: Calibration text: plain prose, code and a list, so that no one style decides.
 CALIBRATION_TEXT = (
@@ -35,33 +40,29 @@ def agreement(model: nn.Module, draft: nn.Module, tokens: mx.array) -> float:
     return mx.mean(full == part).item()
 
 
-def measure_prior(engine, draft: nn.Module):
-    """Prior of a drafter model for the Engine's target: acceptance = agreement on CALIBRATION_TEXT, draft
-    cost = seconds of one drafter forward of width 1 (schedule.measure_cost_curve).
+def measure_prior(target: Target, draft: nn.Module) -> Prior:
+    """Prior of a drafter model for the target: acceptance = agreement on CALIBRATION_TEXT, draft cost =
+    seconds of one drafter forward of width 1 (cost.measure_cost_curve).
 
     Returns:
         schedule.Prior with weight PRIOR_WEIGHT and first probe after PRIOR_FIRST_PROBE rounds.
     """
-    from .schedule import Prior, measure_cost_curve
-
-    tokens = mx.array(engine.tokenizer.encode(CALIBRATION_TEXT))[None]
-    step = measure_cost_curve(draft, 1, engine.tokenizer.vocab_size, pipelined=False).seconds[1]
-    return Prior(agreement(engine.model, draft, tokens), PRIOR_WEIGHT, step, PRIOR_FIRST_PROBE)
+    tokens = mx.array(target.tokenizer.encode(CALIBRATION_TEXT))[None]
+    step = measure_cost_curve(draft, 1, target.tokenizer.vocab_size, pipelined=False).seconds[1]
+    return Prior(agreement(target.model, draft, tokens), PRIOR_WEIGHT, step, PRIOR_FIRST_PROBE)
 
 
 #: Timed drafting passes of a block drafter (the minimum is kept).
 BLOCK_COST_REPEATS = 5
 
 
-def block_agreement(engine, drafter, tokens: mx.array, stride: int = 2) -> float:
+def block_agreement(target: Target, drafter: Drafter, tokens: mx.array, stride: int = 2) -> float:
     """Fraction of anchors a (every `stride`-th position of `tokens`, [1, L] int) where a block drafter
     (DFlash / DSpark), given the target's taps of positions 0..a-1 and the anchor tokens[a], drafts as its
     first token the target's argmax after position a. Runs one target forward with taps and one drafting
     pass per anchor; leaves the drafter to be started again with `begin`."""
-    from .capture import TargetTaps
-
-    with TargetTaps(engine.model, drafter.target_layer_ids) as taps:
-        target_next = mx.argmax(engine.model(tokens), axis=-1)[0]  # [L]
+    with TargetTaps(target.model, drafter.target_layer_ids) as taps:
+        target_next = mx.argmax(target.model(tokens), axis=-1)[0]  # [L]
         feats = taps.features()  # [1, L, n*H]
     mx.eval(target_next, feats)
     ids, wanted = tokens[0].tolist(), target_next.tolist()
@@ -76,7 +77,7 @@ def block_agreement(engine, drafter, tokens: mx.array, stride: int = 2) -> float
     return same / max(1, len(anchors))
 
 
-def block_pass_seconds(drafter, context: list) -> float:
+def block_pass_seconds(drafter: Drafter, context: list) -> float:
     """Seconds of one full-block drafting pass (the minimum of BLOCK_COST_REPEATS) over a drafter whose
     context already holds `context` but its last token."""
     best = float("inf")
@@ -87,40 +88,27 @@ def block_pass_seconds(drafter, context: list) -> float:
     return best
 
 
-def measure_block_prior(engine, drafter):
-    """Prior of a block drafter for the Engine's target: acceptance = block_agreement on CALIBRATION_TEXT,
-    draft cost = seconds of one drafting pass (block_pass_seconds).
+def measure_block_prior(target: Target, drafter: Drafter) -> Prior:
+    """Prior of a block drafter for the target: acceptance = block_agreement on CALIBRATION_TEXT, draft
+    cost = seconds of one drafting pass (block_pass_seconds).
 
     Returns:
         schedule.Prior with weight PRIOR_WEIGHT and first probe after PRIOR_FIRST_PROBE rounds.
     """
-    from .schedule import Prior
-
-    ids = engine.tokenizer.encode(CALIBRATION_TEXT)
-    acceptance = block_agreement(engine, drafter, mx.array(ids)[None])
+    ids = target.tokenizer.encode(CALIBRATION_TEXT)
+    acceptance = block_agreement(target, drafter, mx.array(ids)[None])
     return Prior(acceptance, PRIOR_WEIGHT, block_pass_seconds(drafter, ids), PRIOR_FIRST_PROBE)
 
 
-def block_prior(engine, drafter, say=None):
-    """measure_block_prior, cached on disk when the drafter has a stable identity (`drafter.ident`, set when
-    it was loaded from a directory: drafters/load.py)."""
-    return cached_prior(engine, getattr(drafter, "ident", None), lambda: measure_block_prior(engine, drafter), say)
+def drafter_prior(target: Target, drafter: Drafter, say: Optional[Callable[[str], None]] = None) -> Prior:
+    """The calibration prior of a model drafter (a draft model or layer skip: `drafter.model`; a block
+    drafter: its drafting pass), cached on disk when the drafter has a stable identity (`drafter.ident`)."""
+    def measure() -> Prior:
+        if isinstance(drafter, BlockDrafter):
+            return measure_block_prior(target, drafter)
+        return measure_prior(target, drafter.model)
 
-
-def block_pays(engine, drafter, say=None) -> bool:
-    """Whether a block drafter, judged by its prior on the target's cost curve, is worth drafting with at all
-    (some draft length beats a plain step): `auto` leaves it out otherwise."""
-    from ..defaults import DEFAULT_MAX_DRAFT
-    from .schedule import DraftScheduler, cost_curve
-
-    curve = cost_curve(engine, max(drafter.max_draft, DEFAULT_MAX_DRAFT) + 1, say)  # the width auto measures
-    prior = block_prior(engine, drafter, say)
-    return DraftScheduler(curve, drafter.max_draft, per_round=True, prior=prior).best_gamma() > 0
-
-
-def drafter_prior(engine, draft: nn.Module, ident: Optional[str], say=None):
-    """measure_prior of a draft model or layer skip (see cached_prior)."""
-    return cached_prior(engine, ident, lambda: measure_prior(engine, draft), say)
+    return cached_prior(target, drafter.ident, measure, say)
 
 
 def _named(ident: str) -> str:
@@ -129,12 +117,11 @@ def _named(ident: str) -> str:
     return "draft model" if kind == "draft" else f"{kind} drafter"
 
 
-def cached_prior(engine, ident: Optional[str], measure: Callable, say=None):
+def cached_prior(target: Target, ident: Optional[str], measure: Callable[[], Prior],
+                 say: Optional[Callable[[str], None]] = None) -> Prior:
     """measure() (a schedule.Prior), cached on disk when the drafter has a stable identity `ident` (a model
-    path, a skip set, a drafter directory); measured afresh when it is None (a model object handed in by the
-    caller). say: called with a line before a measurement that will be cached."""
-    from .schedule import Prior, curve_key
-
+    path, a skip set, a drafter checkpoint); measured afresh when it is None (a model object handed in by
+    the caller). say: called with a line before a measurement that will be cached."""
     if ident is None:
         return measure()
 
@@ -142,7 +129,7 @@ def cached_prior(engine, ident: Optional[str], measure: Callable, say=None):
         p = measure()
         return {"acceptance": p.acceptance, "draft_cost": p.draft_cost}
 
-    data = cached_json("prior", f"{curve_key(engine)}|{ident}", compute,
+    data = cached_json("prior", f"{target.key}|{ident}", compute,
                        valid=lambda d: 0 <= d["acceptance"] <= 1 and d["draft_cost"] > 0,
                        say=say, message=f"measuring how often the {_named(ident)} agrees with the model")
     return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]), PRIOR_FIRST_PROBE)

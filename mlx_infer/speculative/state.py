@@ -1,0 +1,261 @@
+"""What speculative decoding keeps per target model: `SpecState`, owned by the Engine.
+
+It holds the draft models and block drafters loaded for the target (each loaded once), the schedulers
+(what earlier requests learned), the cost curves and calibration priors (measured once per model and
+machine and cached on disk by cost.py / calibrate.py, memoized here), and turns a request's validated
+SpecOptions into a token iterator: choose the drafter, choose the draft-length policy, run the loop.
+"""
+
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..defaults import DEFAULT_MAX_DRAFT
+from ..errors import MlxInferError
+from ..generation.sampling import SamplingParams
+from .calibrate import drafter_prior
+from .cost import CostCurve, cost_curve
+from .drafters.base import Drafter
+from .drafters.block import BlockDrafter
+from .drafters.draft_model import DraftModelDrafter, check_same_vocab
+from .drafters.hybrid import LookupThenBlock
+from .drafters.layerskip import LayerSkipDrafter, cached_skip_set
+from .drafters.lookup import LookupDrafter
+from .loop import SpecStats, check_rollback, speculative_tokens
+from .modes import DraftModel, SpecOptions
+from .resolve import (BLOCK_MODES, block_drafter, load_block_model, load_draft_model, registered_sources,
+                      warn_broken)
+from .schedule import DraftPolicy, DraftScheduler, FixedGamma, Mechanisms, drafter_pays, speculation_pays
+from .target import Target
+
+Say = Optional[Callable[[str], None]]
+
+#: Drafters that run a model and so have a calibration prior (calibrate.py).
+MODEL_DRAFTERS = (DraftModelDrafter, BlockDrafter)
+
+
+class SpecState:
+    """Speculative decoding's per-model state (see the module docstring).
+
+    Args:
+        target: the Target (model, tokenizer, measurement key, registry names, weights mode).
+        mechanisms: scheduler switches (bench/spec.py --policy measures each against its absence).
+        registry: a registry.json to read instead of the installed one (tests).
+    """
+
+    def __init__(self, target: Target, mechanisms: Mechanisms = Mechanisms(), registry: Optional[Path] = None):
+        self.target = target
+        self.mechanisms = mechanisms
+        self.registry = registry
+        self._draft_models: Dict[str, nn.Module] = {}  # path / repo id -> loaded draft model
+        self._block_models: Dict[Tuple[str, str], tuple] = {}  # (mode, path) -> (Backbone, ident)
+        self._registered: Dict[str, Optional[tuple]] = {}  # mode -> (Backbone, ident) or None
+        self._auto_block: Optional[str] = None  # the registered mode auto backs lookup with ("" for none)
+        self._curves: Dict[int, CostCurve] = {}
+        self._priors: Dict[str, object] = {}
+        self._skip: Optional[List[int]] = None
+        # (mode, draft-model key, limit, greedy, draft model object or None) -> scheduler
+        self._schedulers: List[Tuple[tuple, object, DraftScheduler]] = []
+
+    # -- measurements (memoized; cached on disk below) ------------------------------------------------
+
+    def curve(self, width: int, say: Say = None) -> CostCurve:
+        """The target's cost curve up to `width` (cost.cost_curve, memoized)."""
+        have = [w for w in self._curves if w >= width]
+        if have:
+            return self._curves[min(have)]
+        curve = self._curves[width] = cost_curve(self.target, width, say)
+        return curve
+
+    @staticmethod
+    def width(drafter: Drafter) -> int:
+        """The widest verify a request with this drafter can need: one curve serves every drafter up to it."""
+        return max(drafter.max_draft or 0, DEFAULT_MAX_DRAFT) + 1
+
+    def prior(self, drafter: Drafter, say: Say = None):
+        """A model drafter's calibration prior (calibrate.drafter_prior, memoized by its identity)."""
+        if drafter.ident is None:
+            return drafter_prior(self.target, drafter, say)
+        if drafter.ident not in self._priors:
+            self._priors[drafter.ident] = drafter_prior(self.target, drafter, say)
+        return self._priors[drafter.ident]
+
+    def skip_set(self, say: Say = None) -> List[int]:
+        """layerskip's calibrated skip set (cached on disk)."""
+        if self._skip is None:
+            self._skip = cached_skip_set(self.target, say)
+        return self._skip
+
+    # -- drafters ---------------------------------------------------------------------------------------
+
+    def _block_model(self, mode: str, source) -> tuple:
+        key = (mode, str(source))
+        if key not in self._block_models:
+            self._block_models[key] = load_block_model(mode, source)
+        return self._block_models[key]
+
+    def _registered_model(self, mode: str) -> Optional[tuple]:
+        """The target's registered drafter of `mode` that loads and fits, or None; a present one that does
+        not load or fit gets a warning (once) and is skipped."""
+        if mode not in self._registered:
+            self._registered[mode] = None
+            for kind, source in registered_sources(self.target, (mode,), self.registry):
+                try:
+                    model, ident = self._block_model(kind, source)
+                    block_drafter(model, self.target, ident)  # checks the fit
+                except MlxInferError as e:
+                    warn_broken(kind, source, e)
+                    continue
+                self._registered[mode] = (model, ident)
+                break
+        return self._registered[mode]
+
+    def _block(self, mode: str, source, say: Say = None) -> BlockDrafter:
+        """A block drafter of `mode` from `source` (None: the registered one)."""
+        if isinstance(source, BlockDrafter):
+            return source
+        if source is None:
+            found = self._registered_model(mode)
+            if found is None:
+                raise MlxInferError(f"no {mode} drafter is known for this model; pass --draft-model (a {mode} "
+                                    "drafter directory or repo id; train one with mlx-infer train-drafter)")
+            model, ident = found
+        elif isinstance(source, nn.Module):
+            model, ident = source, None
+        else:
+            model, ident = self._block_model(mode, source)
+        curve = self.curve(int(model.block_size) + 1, say) if mode == "dspark" else None
+        return block_drafter(model, self.target, ident, curve)
+
+    def _draft(self, source) -> DraftModelDrafter:
+        """A draft-model drafter from a path / repo id, a DraftModel, or a trusted mlx-lm model."""
+        if isinstance(source, str):
+            if source not in self._draft_models:
+                self._draft_models[source] = load_draft_model(source, self.target)
+            return DraftModelDrafter(self._draft_models[source], ident=f"draft:{source}")
+        if isinstance(source, DraftModel):
+            check_same_vocab(self.target.tokenizer, source.tokenizer)
+            return DraftModelDrafter(source.model)
+        return DraftModelDrafter(source)
+
+    def _auto(self, say: Say = None) -> Drafter:
+        """auto without a draft model: lookup backed by the registered block drafter when its calibration
+        prior says it can pay on this machine (schedule.drafter_pays), else lookup alone."""
+        if self._auto_block is None:
+            self._auto_block = ""
+            found = next((m for m in BLOCK_MODES if self._registered_model(m) is not None), None)
+            if found is not None:
+                block = self._block(found, None, say)
+                curve = self.curve(self.width(block), say)
+                if drafter_pays(curve, self.prior(block, say), block.max_draft, per_round=True):
+                    self._auto_block = found
+        if self._auto_block:
+            return LookupThenBlock(self._block(self._auto_block, None, say))
+        return LookupDrafter()
+
+    def drafter(self, options: SpecOptions, say: Say = None) -> Drafter:
+        """A fresh drafter for one request (what it loads is kept for the next).
+
+        Raises:
+            MlxInferError: a missing or incompatible draft model, or no registered drafter for dflash / dspark.
+        """
+        mode, source = options.mode, options.draft_model
+        if mode == "auto":
+            return self._auto(say) if source is None else self._draft(source)
+        if mode == "lookup":
+            return LookupDrafter()
+        if mode == "layerskip":
+            return LayerSkipDrafter(self.target.model, self.skip_set(say))
+        if mode in BLOCK_MODES:
+            return self._block(mode, source, say)
+        return self._draft(source)
+
+    # -- the draft-length policy -------------------------------------------------------------------------
+
+    def _scheduler(self, options: SpecOptions, drafter: Drafter, curve: CostCurve, limit: int,
+                   params: SamplingParams, say: Say) -> DraftScheduler:
+        """The scheduler of a request: the one this target used last for the same drafter, sampling kind and
+        draft limit (what it learned carries over: Mechanisms.memory), else a new one that starts from the
+        drafter's calibration prior (model drafters)."""
+        source = options.draft_model
+        named = source if isinstance(source, (str, type(None))) else None
+        key = (options.mode, named, limit, params.greedy)
+        obj = None if isinstance(source, (str, type(None))) else source
+        if self.mechanisms.memory:
+            for k, o, scheduler in self._schedulers:
+                if k == key and o is obj:  # a model object by identity, never by id()
+                    scheduler.new_request()
+                    return scheduler
+        # model drafters start from their calibration; lookup's buckets from their first verified proposal
+        prior = self.prior(drafter, say) if isinstance(drafter, MODEL_DRAFTERS) else None
+        scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=drafter.max_draft is not None,
+                                   prior=prior, mechanisms=self.mechanisms)
+        if self.mechanisms.memory:
+            self._schedulers.append((key, obj, scheduler))
+        return scheduler
+
+    def policy(self, options: SpecOptions, drafter: Drafter, params: SamplingParams,
+               say: Say = None) -> Optional[DraftPolicy]:
+        """The draft-length policy of a request, or None where speculation cannot pay on this machine (the
+        request then decodes plainly)."""
+        if options.max_draft != "auto":
+            return FixedGamma(options.max_draft)
+        if drafter.self_scheduled:
+            return FixedGamma(drafter.max_draft)  # DSpark: its confidence schedule cuts the block
+        limit = drafter.max_draft or DEFAULT_MAX_DRAFT
+        curve = self.curve(self.width(drafter), say)
+        if not speculation_pays(curve, limit):
+            return None  # verifying several tokens costs as much as decoding them one by one here
+        return self._scheduler(options, drafter, curve, limit, params, say)
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def prepare(self, options: SpecOptions, params: SamplingParams = SamplingParams(), say: Say = None) -> None:
+        """Measure now, once per model and machine, what a request with these options would otherwise measure
+        on its first run (layerskip's calibration, the cost curve, a model drafter's prior), so that the
+        first request's TTFT does not include them. Nothing when the target's cache cannot roll back (auto
+        then decodes plainly; another mode fails at the request)."""
+        if not options.on:
+            return
+        try:
+            check_rollback(make_prompt_cache(self.target.model), 0)
+        except MlxInferError:
+            return
+        drafter = self.drafter(options, say)
+        if options.max_draft == "auto" and not drafter.self_scheduled:
+            self.curve(self.width(drafter), say)
+            if isinstance(drafter, MODEL_DRAFTERS):
+                self.prior(drafter, say)
+
+    def tokens(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int, options: SpecOptions,
+               stats: SpecStats, cache: list, start: int = 0,
+               progress: Optional[Callable[[int, int], None]] = None) -> Optional[Iterator[int]]:
+        """The speculative token iterator of one request (the same tokens as plain decoding when greedy, the
+        same distribution when sampling), or None when the request is to decode plainly (auto on a cache
+        that cannot roll back; a policy that finds speculation cannot pay): stats.mode is then "off".
+
+        Args:
+            prompt_ids: the whole prompt; cache: the target's per-layer caches, holding prompt_ids[:start]
+                (loop.speculative_tokens).
+
+        Raises:
+            MlxInferError: the cache cannot roll back (modes other than auto), or a drafter that cannot load.
+        """
+        if options.mode == "auto":
+            try:
+                check_rollback(cache, len(prompt_ids) + max_tokens + DEFAULT_MAX_DRAFT)
+            except MlxInferError:  # "auto" never fails: a cache that cannot roll back decodes plainly
+                stats.mode = "off"
+                return None
+        else:
+            check_rollback(cache, 0)  # before any drafter is loaded or measured
+        drafter = self.drafter(options)
+        policy = self.policy(options, drafter, params)
+        if policy is None:
+            stats.mode = "off"
+            return None
+        return speculative_tokens(self.target.model, prompt_ids, params, max_tokens, drafter, policy, stats,
+                                  cache=cache, start=start, progress=progress)
+
