@@ -8,10 +8,11 @@ from .progress import stderr
 
 
 def format_stats(stats: GenerationStats) -> str:
-    """One line: prompt / generated tokens, TTFT, prefill and decode speed, peak memory, and for speculative
+    """One line: prompt tokens (and how many came from the kept cache) / generated tokens, TTFT, prefill and decode speed, peak memory, and for speculative
     decoding the drafter, tau, rounds, draft / verify time and per-position acceptance."""
     line = (
-        f"prompt {stats.prompt_tokens} tok, generated {stats.generated_tokens} tok | "
+        f"prompt {stats.prompt_tokens} tok{f' ({stats.cached_prompt_tokens} cached)' if stats.cached_prompt_tokens else ''}, "
+        f"generated {stats.generated_tokens} tok | "
         f"TTFT {stats.ttft_s:.3f} s | prefill {stats.prefill_tps:.1f} tok/s | "
         f"decode {stats.decode_tps:.1f} tok/s | peak memory {stats.peak_memory_bytes / 2**20:.1f} MiB"
     )

@@ -4,7 +4,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, List, Optional
 
+import mlx.core as mx
 import typer
+
+from mlx_infer.train import TrainSettings, train_drafter as run
+from mlx_infer.train.progress import TrainProgress
 
 from .errors import fail, user_errors
 from .options import ModelOpt, VerboseOpt, Weights, WeightsOpt
@@ -96,11 +100,6 @@ def train_drafter(
     Use the result with: mlx-infer generate --spec dflash --draft-model DIR
     """
     with user_errors(verbose):
-        import mlx.core as mx
-
-        from mlx_infer.train import TrainSettings, train_drafter as run
-        from mlx_infer.train.progress import TrainProgress
-
         if not data.is_file():
             raise fail(f"no data file at {data}; give a text file (one prompt per paragraph) or a .jsonl")
         for name, value, low in (("--layers", layers, 1), ("--steps", steps, 1), ("--max-response-tokens",

@@ -5,7 +5,7 @@
     print(engine.generate("What is the capital of France?").text)
 """
 
-from .backend import preload_optimized_blas
+from .blas import preload_optimized_blas
 
 # Before mlx.core is imported anywhere: MLX's CPU backend then uses an optimized BLAS.
 preload_optimized_blas()

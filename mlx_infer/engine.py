@@ -22,8 +22,10 @@ from .generation.detokenize import make_detokenizer
 from .generation.sampling import SamplingParams
 from .generation.stops import StopStringMatcher
 from .loading import ModelSource
+from .paths import model_fingerprint
 from .speculative import DraftModel, SpecOptions, SpecState, SpecStats, Target
 from .speculative.registry import target_names
+from .speculative.schedule import Mechanisms
 
 Messages = Sequence[dict]
 Prompt = Union[str, Messages, Sequence[int]]
@@ -126,16 +128,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def model_fingerprint(mlx_dir) -> str:  # TODO(lead): paths.model_fingerprint once it lands
-    import hashlib
-    from pathlib import Path
-    d = Path(mlx_dir)
-    h = hashlib.sha256((d / "config.json").read_bytes() if (d / "config.json").is_file() else b"")
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
-
-
 def measurement_key(source: ModelSource) -> str:
     """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
     priors): the model's content, not where it lies, its weights mode, the backend, BLAS and MLX version."""
@@ -156,15 +148,21 @@ class Engine:
             and where it came from.
         spec: SpecState, what speculative decoding keeps for this model (loaded drafters, schedulers,
             measured costs).
+
+    Args:
+        mechanisms: the draft scheduler's switches (speculative.schedule.Mechanisms; bench/spec.py --policy).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource):
+    def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource,
+                 mechanisms: Mechanisms = Mechanisms()):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.source = source
         names = target_names(source.name, str(source.path), str(source.mlx_dir))
-        self.spec = SpecState(Target(model, tokenizer, measurement_key(source), names, source.weights))
+        target = Target(model, tokenizer, measurement_key(source), names, source.weights)
+        self.spec = SpecState(target, mechanisms)
+        self._detokenizer = make_detokenizer(tokenizer)  # built once (it reads the vocabulary), reset per request
         self._kept: Optional[KeptCache] = None
 
     def reset(self) -> None:
@@ -291,7 +289,7 @@ class Engine:
                 draft_model given to a mode that uses none ("off", "lookup", "layerskip").
         """
         params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
-        # TODO(lead): params = params.for_vocab(self.tokenizer.vocab_size)
+        params = params.for_vocab(self.tokenizer.vocab_size)
         options = self._spec_options(speculative, draft_model, max_draft)
         prompt_ids = self.encode_fitting(prompt, system, chat_template)
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
@@ -301,7 +299,8 @@ class Engine:
     def _steps(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int, options: SpecOptions,
                progress: Optional[Callable[[int, int], None]]) -> Iterator[GenerationStep]:
         """The steps of one validated request (see stream_steps)."""
-        detok = make_detokenizer(self.tokenizer)
+        detok = self._detokenizer
+        detok.reset()
         stops = StopStringMatcher(params.stop)
         eos = set(self.tokenizer.eos_token_ids)
         mx.reset_peak_memory()

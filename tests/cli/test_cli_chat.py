@@ -10,12 +10,17 @@ from pathlib import Path
 import pytest
 from conftest import cli_env
 
-PROMPT_TOKENS = re.compile(r"prompt (\d+) tok, generated (\d+) tok")
+PROMPT_TOKENS = re.compile(r"prompt (\d+) tok(?: \((\d+) cached\))?, generated (\d+) tok")
 
 
 def turns(stderr: str):
     """[(prompt_tokens, generated_tokens)] of each answer, from the --stats lines."""
-    return [(int(a), int(b)) for a, b in PROMPT_TOKENS.findall(stderr)]
+    return [(int(a), int(c)) for a, _, c in PROMPT_TOKENS.findall(stderr)]
+
+
+def cached(stderr: str):
+    """[prompt tokens that came from the kept KV cache] of each answer."""
+    return [int(b or 0) for _, b, _ in PROMPT_TOKENS.findall(stderr)]
 
 
 def test_chat_keeps_history_and_resets(run_cli):
@@ -28,8 +33,10 @@ def test_chat_keeps_history_and_resets(run_cli):
     (p1, g1), (p2, _), (p3, _) = stats
     # The second turn's prompt holds the first question, its answer and the new question.
     assert p2 > p1 + g1
-    # After /reset the history is gone: the same question gives the same prompt length again.
-    assert p3 == p1
+    # The second turn prefilled only what follows the first turn's prompt (the engine's kept KV cache).
+    assert cached(proc.stderr)[0] == 0 and p1 <= cached(proc.stderr)[1] < p2
+    # After /reset the history is gone: the same question gives the same prompt length again, all prefilled.
+    assert p3 == p1 and cached(proc.stderr)[2] == 0
     assert "history cleared" in proc.stderr
     assert proc.stdout.count("Paris") >= 2
 

@@ -22,6 +22,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ...errors import MlxInferError
+from .checkpoint import require
+
 
 @dataclass
 class BackboneConfig:
@@ -184,9 +187,6 @@ def backbone_config(config: dict, num_taps: int, what: str) -> BackboneConfig:
     Raises:
         MlxInferError: a missing or malformed key.
     """
-    from ...errors import MlxInferError
-    from .checkpoint import require
-
     H = require(config, "hidden_size", what)
     heads = require(config, "num_attention_heads", what)
     layers = require(config, "num_hidden_layers", what)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_infer import backend
+from mlx_infer import blas as backend
 
 AVX512 = {"sse3", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
 
@@ -24,7 +24,7 @@ def test_kernel_family_from_flags():
 
 
 def _blas_in_a_fresh_process(env_extra: dict) -> dict:
-    code = ("import os, json, mlx_infer; from mlx_infer import backend; "
+    code = ("import os, json, mlx_infer; from mlx_infer import blas as backend; "
             "print(json.dumps({'blas': backend.blas_in_use(), 'core': backend.openblas_core(), "
             "'env': os.environ.get('OPENBLAS_CORETYPE')}))")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}

@@ -1,0 +1,84 @@
+"""The package's shape: no imports inside functions and no import cycles between its modules (the lower
+floors never import the higher ones), in the library and the CLI."""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: Where the CLI lives in the source tree and what it is installed as (pyproject.toml's package-dir).
+CLI = ("cli", "mlx_infer.cli")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] == CLI[0]:
+        parts = CLI[1].split(".") + parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources():
+    for folder in ("mlx_infer", CLI[0]):
+        yield from sorted((REPO / folder).rglob("*.py"))
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def imported(path: Path, known: set) -> set:
+    """The project modules a file imports, wherever the import statement stands (an import inside a
+    function still ties the two modules), an import of a package counting as its __init__, except the
+    importer's own ancestors, which Python has already started."""
+    name = module_name(path)
+    package = name if is_package(path) else name.rsplit(".", 1)[0]
+    ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for t in targets:
+            parts = t.split(".")
+            for i in range(1, len(parts) + 1):
+                m = ".".join(parts[:i])
+                if m in known and m not in ancestors and m != name:
+                    out.add(m)
+    return out
+
+
+def test_no_imports_inside_functions():
+    found = []
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{path.relative_to(REPO)}:{s.lineno}" for s in ast.walk(node)
+                          if isinstance(s, (ast.Import, ast.ImportFrom))]
+    assert found == []
+
+
+def test_no_import_cycles():
+    paths = {module_name(p): p for p in sources()}
+    known = set(paths)
+    graph = {m: imported(p, known) for m, p in paths.items()}
+    cycles, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+    assert "mlx_infer.engine" not in set().union(*(graph[m] for m in graph if m.startswith("mlx_infer.speculative")))
