@@ -3,10 +3,11 @@
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -57,6 +58,43 @@ def interleaved(runners: Dict[str, Callable[[], dict]], trials: int) -> Dict[str
 
 def median(rows: List[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
+
+
+#: Resamples of a bootstrap interval, and the fixed seed that makes a report reproducible.
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_ratio(pairs: Sequence[Tuple[Tuple[float, float], Tuple[float, float]]], level: float = 0.95,
+                    resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Tuple[float, float]:
+    """Percentile bootstrap interval of a paired ratio of rates (Efron & Tibshirani, "An Introduction to
+    the Bootstrap", 1993, ch. 13).
+
+    Each pair is one measured cell (a prompt in one repeat) of two systems, as (count, seconds) of system A
+    and of system B; the statistic is (sum A counts / sum A seconds) / (sum B counts / sum B seconds) over
+    the cells, and cells are resampled with replacement, both systems together (they ran the same prompt
+    in the same repeat, back to back).
+
+    Returns:
+        (low, high) of the central `level` interval; (nan, nan) with no pairs.
+    """
+    if not pairs:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(pairs)
+    stats = []
+    for _ in range(resamples):
+        an = asec = bn = bsec = 0.0
+        for _ in range(n):
+            (a_n, a_s), (b_n, b_s) = pairs[rng.randrange(n)]
+            an, asec, bn, bsec = an + a_n, asec + a_s, bn + b_n, bsec + b_s
+        if asec > 0 and bsec > 0 and bn > 0:
+            stats.append((an / asec) / (bn / bsec))
+    stats.sort()
+    if not stats:
+        return float("nan"), float("nan")
+    tail = (1.0 - level) / 2
+    return stats[int(tail * (len(stats) - 1))], stats[int(round((1 - tail) * (len(stats) - 1)))]
 
 
 def write_result(name: str, payload: dict) -> Path:

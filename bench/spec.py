@@ -23,21 +23,38 @@ decoding.
 The draft model is cut from the target (its first --draft-layers layers + final norm + head); no
 smaller sibling of the default model exists here.
 
+--policy instead measures the draft-length policy, greedy, on every set: plain decoding; lookup with max_draft
+auto (the scheduler), twice (the second copy is an A/A control: the same code, so its spread is the run's
+noise floor); lookup with each fixed draft length of --fixed; dflash (the registered drafter) with max_draft
+auto. Each configuration is an Engine of its own over the one loaded model, every request starts from an
+empty KV cache, and every prompt runs --repeats times per configuration, interleaved, the order rotated per
+repeat. Every run counts: per set, decode tokens/s after the first token and tokens/s with prefill, the ratio
+to plain pooled over the runs, its min/max over repeats and a paired bootstrap 95% interval; the scheduler
+against the best fixed length; the A/A control against its twin, with a verdict from the interval. Writes
+bench/results/spec-policy-*.json (every run's numbers included). (At commit 3239a1f it also switched off,
+one at a time, the scheduler's curve correction, probe back-off, delayed first probe and memory across
+requests; none showed a benefit beyond the noise, and they were removed: docs/benchmarks.md.)
+
 Usage: python bench/spec.py [--model PATH] [--limit 4] [--max-tokens 48] [--sets chat,code,math,copy] [--repeats 2]
        [--modes lookup,draft,layerskip,dflash,auto] [--per-prompt]
 Prints a table per temperature and writes bench/results/spec-*.json.
+       python bench/spec.py --policy [--limit 2] [--max-tokens 48] [--repeats 2] [--fixed 1,2,3,4,6,8]
 """
 
 import argparse
 import json
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import machine, write_result  # noqa: E402
+from common import bootstrap_ratio, machine, write_result  # noqa: E402
+from mlx_infer.engine import Engine  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "prompts"
 SETS = ("chat", "code", "math", "copy")
@@ -132,21 +149,223 @@ def dspark_lookup(engine):
     return run
 
 
+# -- --policy: the draft scheduler against fixed draft lengths and against its own A/A twin --
+
+#: --policy defaults, sized to finish in about 20 minutes on a shared 2-core CPU machine: 10 configurations x
+#: 4 sets x POLICY_LIMIT prompts x POLICY_REPEATS repeats = 160 requests of POLICY_MAX_TOKENS tokens, ~2-10 s
+#: each there depending on the other jobs' load.
+POLICY_LIMIT = 2
+POLICY_REPEATS = 2
+POLICY_MAX_TOKENS = 32
+POLICY_FIXED = "1,2,3,4,6,8"
+PLAIN = "plain"
+NAME_W = 34  # width of the configuration column
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """One row of --policy: an Engine of its own and the request options."""
+
+    name: str
+    engine: Engine
+    mode: str
+    max_draft: Union[str, int]
+    #: the configuration this one is compared with (the A/A control's twin; None: none)
+    baseline: Optional[str] = None
+
+
+def policy_configs(base, fixed: Sequence[int]) -> List[PolicyConfig]:
+    """Every configuration of --policy, each with its own Engine over the one loaded model."""
+
+    def engine() -> Engine:
+        return Engine(base.model, base.tokenizer, base.config, base.source)
+
+    configs = [PolicyConfig(PLAIN, engine(), "off", "auto"), PolicyConfig("lookup auto", engine(), "lookup", "auto"),
+               PolicyConfig("lookup auto (A/A twin)", engine(), "lookup", "auto", "lookup auto")]
+    configs += [PolicyConfig(f"lookup fixed {g}", engine(), "lookup", g) for g in fixed]
+    configs.append(PolicyConfig("dflash auto", engine(), "dflash", "auto"))
+    return configs
+
+
+def run_cell(config: PolicyConfig, prompt_ids: List[int], max_tokens: int) -> dict:
+    """One greedy request of a configuration, from an empty KV cache (every request prefills its prompt)."""
+    config.engine.reset()
+    r = config.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=0.0, speculative=config.mode,
+                               max_draft=config.max_draft)
+    s = r.stats
+    return {"token_ids": r.token_ids, "tokens": len(r.token_ids), "total_s": s.total_s, "ttft_s": s.ttft_s,
+            "tau": s.tau if config.mode != "off" else 1.0, "rounds": s.rounds, "spec_mode": s.spec_mode or "off"}
+
+
+def cell_rate(cell: dict, metric: str) -> Tuple[float, float]:
+    """(tokens, seconds) of a cell: "decode" counts tokens after the first and time after the first token;
+    "wall" all tokens and the whole request, prefill included."""
+    if metric == "wall":
+        return float(cell["tokens"]), cell["total_s"]
+    if cell["tokens"] < 2:
+        return 0.0, 0.0
+    return float(cell["tokens"] - 1), cell["total_s"] - cell["ttft_s"]
+
+
+def pooled(cells: Sequence[dict], metric: str) -> float:
+    """tokens/s pooled over cells (sum of tokens / sum of seconds)."""
+    n = sum(cell_rate(c, metric)[0] for c in cells)
+    s = sum(cell_rate(c, metric)[1] for c in cells)
+    return n / s if s > 0 else 0.0
+
+
+def paired(cells: Dict[tuple, dict], a: str, b: str, keys: Sequence[tuple], metric: str) -> dict:
+    """Ratio of configuration a's rate to b's over the cells `keys` ((set, prompt, repeat) each): pooled,
+    min/max over repeats (each repeat pooled over its prompts) and a paired bootstrap 95% interval."""
+    ratio = (pooled([cells[k + (a,)] for k in keys], metric) /
+             max(pooled([cells[k + (b,)] for k in keys], metric), 1e-12))
+    per_rep = []
+    for rep in sorted({k[2] for k in keys}):
+        ks = [k for k in keys if k[2] == rep]
+        pa, pb = pooled([cells[k + (a,)] for k in ks], metric), pooled([cells[k + (b,)] for k in ks], metric)
+        if pb > 0:
+            per_rep.append(pa / pb)
+    low, high = bootstrap_ratio([(cell_rate(cells[k + (a,)], metric), cell_rate(cells[k + (b,)], metric))
+                                 for k in keys])
+    return {"ratio": ratio, "rep_min": min(per_rep, default=float("nan")),
+            "rep_max": max(per_rep, default=float("nan")), "ci95": [low, high]}
+
+
+def verdict(p: dict) -> str:
+    """What a ratio (a configuration / its twin) says, from its bootstrap interval: for the A/A control
+    anything but "not distinguishable" means the interval understates the run's noise."""
+    low, high = p["ci95"]
+    if high < 1.0:
+        return "slower (beyond the interval)"
+    if low > 1.0:
+        return "faster (beyond the interval)"
+    return "not distinguishable"
+
+
+def policy_main(args) -> None:
+    """--policy: run every configuration on every prompt of every set, interleaved and repeated, greedy."""
+    limit = args.limit or POLICY_LIMIT
+    repeats = args.repeats or POLICY_REPEATS
+    max_tokens = args.max_tokens or POLICY_MAX_TOKENS
+    fixed = [int(g) for g in args.fixed.split(",")]
+    sets = args.sets.split(",")
+    started = time.perf_counter()
+    base = mlx_infer.load(args.model)
+    configs = policy_configs(base, fixed)
+    names = [c.name for c in configs]
+    by_name = {c.name: c for c in configs}
+
+    # warm-up: compile, page in, load the drafter, measure (or read) cost curves and calibrations once
+    warm = base.encode("Hello")
+    for c in configs:
+        run_cell(c, warm, 4)
+
+    cells: Dict[tuple, dict] = {}  # (set, prompt, repeat, config) -> cell
+    for set_name in sets:
+        for i, prompt in enumerate(load_prompts(set_name, limit)):
+            prompt_ids = base.encode(prompt)
+            for rep in range(repeats):
+                shift = rep * len(names) // repeats  # each repeat starts elsewhere in the order
+                for name in names[shift:] + names[:shift]:
+                    cells[(set_name, i, rep, name)] = run_cell(by_name[name], prompt_ids, max_tokens)
+            reference = cells[(set_name, i, 0, PLAIN)]["token_ids"]
+            for rep in range(repeats):
+                for name in names:
+                    cell = cells[(set_name, i, rep, name)]
+                    cell["identical"] = cell["token_ids"] == reference
+            print(f"  {set_name} #{i} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    results = {}
+    groups = {s: [k[:3] for k in cells if k[0] == s and k[3] == PLAIN] for s in sets}
+    groups["all"] = [k for s in sets for k in groups[s]]
+    for group, keys in groups.items():
+        rows = {}
+        for name in names:
+            cs = [cells[k + (name,)] for k in keys]
+            rows[name] = {
+                "decode_tps": pooled(cs, "decode"), "wall_tps": pooled(cs, "wall"),
+                "vs_plain_decode": paired(cells, name, PLAIN, keys, "decode"),
+                "vs_plain_wall": paired(cells, name, PLAIN, keys, "wall"),
+                "tau": sum(c["tau"] for c in cs) / len(cs),
+                "identical_to_plain": all(c["identical"] for c in cs),
+                "spec_modes_used": sorted({c["spec_mode"] for c in cs}),
+            }
+            if by_name[name].baseline:
+                rows[name]["vs_baseline_decode"] = paired(cells, name, by_name[name].baseline, keys, "decode")
+                rows[name]["vs_baseline_wall"] = paired(cells, name, by_name[name].baseline, keys, "wall")
+        best = max((f"lookup fixed {g}" for g in fixed), key=lambda n: rows[n]["decode_tps"])
+        results[group] = {"rows": rows, "best_fixed": best,
+                          "auto_vs_best_fixed_decode": paired(cells, "lookup auto", best, keys, "decode"),
+                          "auto_vs_best_fixed_wall": paired(cells, "lookup auto", best, keys, "wall")}
+    elapsed = time.perf_counter() - started
+
+    info = machine()
+    print(f"model: {base.source.name} ({base.source.weights} weights); greedy; {limit} prompts per set, "
+          f"{max_tokens} new tokens, {repeats} repeats (interleaved, order rotated per repeat); {elapsed:.0f} s")
+    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), "
+          f"BLAS: {info['blas']}; load average {os.getloadavg()[0]:.2f} at the end")
+
+    def ratio_cell(p: dict) -> str:
+        return f"{p['ratio']:5.2f}x [{p['rep_min']:4.2f}-{p['rep_max']:4.2f}] ({p['ci95'][0]:4.2f}-{p['ci95'][1]:4.2f})"
+
+    for group, res in results.items():
+        print(f"\n{group}" + (" (every set pooled)" if group == "all" else ""))
+        print(f"{'configuration':<{NAME_W}}{'dec tok/s':>10}{'vs plain (decode)':>34}{'wall tok/s':>11}"
+              f"{'vs plain (wall)':>34}{'tau':>6}  same  modes")
+        for name, r in res["rows"].items():
+            print(f"{name:<{NAME_W}}{r['decode_tps']:10.1f}{ratio_cell(r['vs_plain_decode']):>34}{r['wall_tps']:11.1f}"
+                  f"{ratio_cell(r['vs_plain_wall']):>34}{r['tau']:6.2f}  {'=' if r['identical_to_plain'] else '!':>4}"
+                  f"  {','.join(r['spec_modes_used'])}")
+        print(f"best fixed: {res['best_fixed']}; lookup auto / best fixed: decode "
+              f"{ratio_cell(res['auto_vs_best_fixed_decode'])}, wall {ratio_cell(res['auto_vs_best_fixed_wall'])}")
+
+    print("\nA/A control: rate of the twin / rate of lookup auto (decode tokens/s; wall in the JSON): the noise floor")
+    print(f"{'configuration':<{NAME_W}}" + "".join(f"{g:>34}" for g in results) + "  verdict (all sets)")
+    for name in names:
+        if not by_name[name].baseline:
+            continue
+        line = "".join(f"{ratio_cell(results[g]['rows'][name]['vs_baseline_decode']):>34}" for g in results)
+        print(f"{name:<{NAME_W}}{line}  {verdict(results['all']['rows'][name]['vs_baseline_decode'])}")
+    print("\ncells: ratio pooled over prompts and repeats [min-max over repeats] (paired bootstrap 95% interval over "
+          "the prompt x repeat cells);\n'decode': tokens/s after the first token; 'wall': tokens / request time, prefill "
+          "included; tau: committed tokens per target forward;\n'=': every greedy output identical to plain decoding's, "
+          "'!': not. 'lookup auto (A/A twin)' runs the same code as 'lookup auto',\nso its spread is the run's "
+          "noise floor. The best fixed length is picked on the same data\n"
+          "(an optimistic choice).")
+    payload = {"machine": info, "args": {**vars(args), "limit": limit, "repeats": repeats, "max_tokens": max_tokens},
+               "elapsed_s": elapsed, "results": results,
+               "cells": [{"set": k[0], "prompt": k[1], "repeat": k[2], "config": k[3],
+                          **{f: v for f, v in c.items() if f != "token_ids"}} for k, c in cells.items()]}
+    path = write_result("spec-policy", payload)
+    print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--limit", type=int, default=4, help="prompts per set (the files hold 10)")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--limit", type=int, default=None,
+                    help="prompts per set (the files hold 10; default 4, --policy: %d)" % POLICY_LIMIT)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 48 (--policy: %d)" % POLICY_MAX_TOKENS)
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--max-draft", default="auto", help="'auto' or an int")
     ap.add_argument("--modes", default="lookup,draft,layerskip,dflash,auto")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each prompt per system, interleaved; the fastest counts (peers: one run)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each prompt per system, interleaved; the fastest counts (peers: one run); "
+                         "default 2 (--policy: %d, each counts)" % POLICY_REPEATS)
     ap.add_argument("--per-prompt", action="store_true",
                     help="also print each prompt's speedups (with prefill / d: decode only) and tau")
+    ap.add_argument("--policy", action="store_true",
+                    help="measure the draft-length policy instead (greedy; see the module docstring)")
+    ap.add_argument("--fixed", default=POLICY_FIXED, help="--policy: the fixed lookup draft lengths to compare")
     args = ap.parse_args()
+    if args.policy:
+        policy_main(args)
+        return
+    args.limit = args.limit or 4
+    args.max_tokens = args.max_tokens or 48
+    args.repeats = args.repeats or 2
     max_draft = args.max_draft if args.max_draft == "auto" else int(args.max_draft)
 
     from mlx_infer.paths import cache_dir

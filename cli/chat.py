@@ -17,8 +17,8 @@ from .errors import fail, report, user_errors
 from .generate import stream_to_stdout
 from .options import (
     DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
-    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
-    spec_kwargs,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
+    sampling_params, spec_kwargs,
 )
 from .progress import PrefillBar, isatty, load_engine, prepare_speculation, stderr
 from .stats import print_stats
@@ -160,6 +160,7 @@ def chat(
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
         engine = load_engine(model, weights.value, verbose)
+        params = fit_to_model(params, engine)
         if not engine.tokenizer.has_chat_template:
             raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
                        "use `mlx-infer generate --no-chat-template` with it")

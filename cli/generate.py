@@ -9,8 +9,8 @@ import typer
 from .errors import fail, user_errors
 from .options import (
     DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
-    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params,
-    spec_kwargs,
+    StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
+    sampling_params, spec_kwargs,
 )
 from .progress import PrefillBar, load_engine, prepare_speculation
 from .stats import print_stats
@@ -61,6 +61,7 @@ def generate(
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)
         engine = load_engine(model, weights.value, verbose)
+        params = fit_to_model(params, engine)
         # tokenized once; a bad prompt fails before any measuring
         prompt_ids = engine.encode_fitting(text, system, not no_chat_template)
         prepare_speculation(engine, speculative)

@@ -96,6 +96,15 @@ def sampling_params(
         raise MlxInferError(_as_flag(str(e))) from e
 
 
+def fit_to_model(params: SamplingParams, engine) -> SamplingParams:
+    """`params` checked against the loaded model (top-k against its vocabulary), before any measuring;
+    raises MlxInferError naming the flag."""
+    try:
+        return params.for_vocab(engine.vocab_size)
+    except MlxInferError as e:
+        raise MlxInferError(_as_flag(str(e))) from e
+
+
 def unescape(text: str) -> str:
     r"""Turn the escapes a shell passes through literally (\n, \t, \\) into the characters, as llama.cpp
     does for its stop strings: `--stop "\n\n"` stops at a blank line."""

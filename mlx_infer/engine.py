@@ -25,7 +25,7 @@ from .loading import ModelSource
 from .paths import model_fingerprint
 from .speculative import DraftModel, SpecOptions, SpecState, SpecStats, Target
 from .speculative.registry import target_names
-from .speculative.schedule import Mechanisms
+from .speculative.target import output_vocab
 
 Messages = Sequence[dict]
 Prompt = Union[str, Messages, Sequence[int]]
@@ -146,22 +146,20 @@ class Engine:
     Attributes:
         model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
             and where it came from.
+        vocab_size: the model's output vocabulary (rows of its logits, padding included).
         spec: SpecState, what speculative decoding keeps for this model (loaded drafters, schedulers,
             measured costs).
-
-    Args:
-        mechanisms: the draft scheduler's switches (speculative.schedule.Mechanisms; bench/spec.py --policy).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource,
-                 mechanisms: Mechanisms = Mechanisms()):
+    def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.source = source
         names = target_names(source.name, str(source.path), str(source.mlx_dir))
         target = Target(model, tokenizer, measurement_key(source), names, source.weights)
-        self.spec = SpecState(target, mechanisms)
+        self.spec = SpecState(target)
+        self.vocab_size = output_vocab(model)  # rows of the logits (padding included): what top_k counts
         self._detokenizer = make_detokenizer(tokenizer)  # built once (it reads the vocabulary), reset per request
         self._kept: Optional[KeptCache] = None
 
@@ -289,7 +287,7 @@ class Engine:
                 draft_model given to a mode that uses none ("off", "lookup", "layerskip").
         """
         params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
-        params = params.for_vocab(self.tokenizer.vocab_size)
+        params = params.for_vocab(self.vocab_size)
         options = self._spec_options(speculative, draft_model, max_draft)
         prompt_ids = self.encode_fitting(prompt, system, chat_template)
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))

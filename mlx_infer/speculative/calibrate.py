@@ -28,9 +28,6 @@ CALIBRATION_TEXT = (
 )
 #: Rounds of observation the calibration prior counts as.
 PRIOR_WEIGHT = 4.0
-#: Rounds before the first probe of a drafter its calibration judges not worth running. A probe of a model
-#: drafter is dear: its KV cache first catches up on the whole context (a prefill through its layers).
-PRIOR_FIRST_PROBE = 128
 
 
 def agreement(model: nn.Module, draft: nn.Module, tokens: mx.array) -> float:
@@ -45,11 +42,11 @@ def measure_prior(target: Target, draft: nn.Module) -> Prior:
     seconds of one drafter forward of width 1 (cost.measure_cost_curve).
 
     Returns:
-        schedule.Prior with weight PRIOR_WEIGHT and first probe after PRIOR_FIRST_PROBE rounds.
+        schedule.Prior with weight PRIOR_WEIGHT.
     """
     tokens = mx.array(target.tokenizer.encode(CALIBRATION_TEXT))[None]
     step = measure_cost_curve(draft, 1, target.tokenizer.vocab_size, pipelined=False).seconds[1]
-    return Prior(agreement(target.model, draft, tokens), PRIOR_WEIGHT, step, PRIOR_FIRST_PROBE)
+    return Prior(agreement(target.model, draft, tokens), PRIOR_WEIGHT, step)
 
 
 #: Timed drafting passes of a block drafter (the minimum is kept).
@@ -93,11 +90,11 @@ def measure_block_prior(target: Target, drafter: Drafter) -> Prior:
     cost = seconds of one drafting pass (block_pass_seconds).
 
     Returns:
-        schedule.Prior with weight PRIOR_WEIGHT and first probe after PRIOR_FIRST_PROBE rounds.
+        schedule.Prior with weight PRIOR_WEIGHT.
     """
     ids = target.tokenizer.encode(CALIBRATION_TEXT)
     acceptance = block_agreement(target, drafter, mx.array(ids)[None])
-    return Prior(acceptance, PRIOR_WEIGHT, block_pass_seconds(drafter, ids), PRIOR_FIRST_PROBE)
+    return Prior(acceptance, PRIOR_WEIGHT, block_pass_seconds(drafter, ids))
 
 
 def drafter_prior(target: Target, drafter: Drafter, say: Optional[Callable[[str], None]] = None) -> Prior:
@@ -132,4 +129,4 @@ def cached_prior(target: Target, ident: Optional[str], measure: Callable[[], Pri
     data = cached_json("prior", f"{target.key}|{ident}", compute,
                        valid=lambda d: 0 <= d["acceptance"] <= 1 and d["draft_cost"] > 0,
                        say=say, message=f"measuring how often the {_named(ident)} agrees with the model")
-    return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]), PRIOR_FIRST_PROBE)
+    return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]))

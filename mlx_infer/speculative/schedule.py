@@ -11,9 +11,8 @@ drafting(g) is g * (seconds per draft token) for a draft model, one drafter pass
 decoding step. When even a fully accepted draft cannot beat plain decoding on the curve,
 `speculation_pays` is false and the request decodes plainly.
 
-The estimates start from a `Prior`: a weak 0.5 by default, a calibration for model drafters
-(calibrate.py), or what an earlier request with the same drafter learned (`DraftScheduler.new_request`).
-Only decisions live here: no timing, no disk, no MLX.
+The estimates start from a `Prior`: a weak 0.5 by default, or a calibration for model drafters
+(calibrate.py). Only decisions live here: no timing, no disk, no MLX.
 """
 
 from dataclasses import dataclass
@@ -30,18 +29,10 @@ ACCEPT_PRIOR_TRIALS = 2.0
 ACCEPT_DECAY = 0.95
 #: Weight of the past in the running drafting-cost estimate (exponential moving average).
 COST_DECAY = 0.9
-#: Rounds after which a source judged not worth drafting is tried again to refresh the estimates; the wait
-#: doubles after each probe that does not change the verdict, up to PROBE_MAX.
+#: Rounds after which a source judged not worth drafting is tried again to refresh the estimates.
 PROBE_EVERY = 16
-PROBE_MAX = 512
-#: Weight (rounds) of what one request learned, as the prior of the next request with the same drafter.
-MEMORY_TRIALS = 8.0
 #: Speculation must promise this much over plain decoding to be used at all.
 MIN_GAIN = 1.05
-#: Most weight the running correction of the cost curve gives to one observed round (1 / rounds averaged).
-SCALE_WEIGHT = 0.1
-#: Bounds of one round's observed / curve cost ratio (a stall elsewhere on the machine is not a verdict).
-SCALE_BOUNDS = (0.5, 2.0)
 
 
 def expected_committed(rates: List[float], gamma: int) -> float:
@@ -62,7 +53,7 @@ def speculation_pays(curve: CostCurve, max_draft: int) -> bool:
 @dataclass
 class Prior:
     """What is known of a drafter before a request: its acceptance and its drafting cost, measured once
-    (a teacher-forced calibration, prior.py) or carried over from earlier requests.
+    (a teacher-forced calibration, calibrate.py).
 
     Attributes:
         acceptance: prior conditional acceptance of every draft position, in [0, 1].
@@ -73,8 +64,6 @@ class Prior:
     acceptance: float = ACCEPT_PRIOR_HITS / ACCEPT_PRIOR_TRIALS
     weight: float = ACCEPT_PRIOR_TRIALS
     draft_cost: Optional[float] = None
-    #: rounds before the first probe when the prior alone judges the drafter not worth running
-    first_probe: int = PROBE_EVERY
 
 
 class DraftPolicy(Protocol):
@@ -131,29 +120,8 @@ class FixedGamma:
         """Nothing to learn."""
 
 
-@dataclass(frozen=True)
-class Mechanisms:
-    """Switches for the scheduler's mechanisms, so that each can be measured against its absence
-    (bench/spec.py --policy). All on by default.
-
-    Attributes:
-        correct_costs: correct the curve by the wall time of observed rounds (else trust the curve).
-        backoff: double the wait between probes of a source judged not worth drafting, up to PROBE_MAX
-            (else probe every PROBE_EVERY rounds).
-        delayed_first_probe: a calibration prior that rules a drafter out delays its first probe
-            (Prior.first_probe; else PROBE_EVERY).
-        memory: a scheduler carries what one request learned into the next with the same drafter
-            (else each request starts from the prior).
-    """
-
-    correct_costs: bool = True
-    backoff: bool = True
-    delayed_first_probe: bool = True
-    memory: bool = True
-
-
 class DraftScheduler:
-    """Chooses gamma each round (call it) and learns from each round (`observe`).
+    """Chooses gamma each round (`gamma`) and learns from each round (`observe`).
 
     A drafter that costs something to run (a draft model) gets its gamma before proposing. A free one
     (prompt lookup) is asked for max_draft tokens and `cut` keeps the prefix worth verifying, with
@@ -163,13 +131,10 @@ class DraftScheduler:
     the cost of each bucket's proposals is measured per round.
 
     Decisions are pure functions of what was observed; `observe` (once per round, plain rounds included)
-    advances the round count. A source judged not worth drafting is probed again after PROBE_EVERY rounds,
-    and after each probe that does not change the verdict the wait doubles (up to PROBE_MAX), so that a
-    useless drafter costs less and less. `plain_next` says before a round is verified whether the next one
-    will draft nothing, which lets the loop launch that plain step early (loop.py).
-
-    One scheduler can serve successive requests of the same drafter (`new_request`): what it learned
-    becomes a prior of limited weight for the next one.
+    advances the round count. A source judged not worth drafting is probed again every PROBE_EVERY rounds
+    (estimates only move when drafts are verified), and a free drafter's first proposal from a bucket is
+    verified at once. `plain_next` says before a round is verified whether the next one will draft
+    nothing, which lets the loop launch that plain step early (loop.py). One scheduler serves one request.
 
     Args:
         curve: the target's CostCurve.
@@ -180,10 +145,9 @@ class DraftScheduler:
     """
 
     def __init__(self, curve: CostCurve, max_draft: int = DEFAULT_MAX_DRAFT, free: bool = False,
-                 per_round: bool = False, prior: Optional[Prior] = None, mechanisms: Mechanisms = Mechanisms()):
+                 per_round: bool = False, prior: Optional[Prior] = None):
         self.curve = curve
         self.max_draft = self.limit = max_draft
-        self.mechanisms = mechanisms
         self.free = free
         self.per_round = per_round
         prior = prior or Prior()
@@ -197,21 +161,6 @@ class DraftScheduler:
         self.key_costs: Dict[Optional[int], float] = {}  # free mode: seconds per proposal, per bucket (EMA)
         self.round = 0  # rounds observed
         self.last_try: Dict[Optional[int], int] = {}  # round of each bucket's last verified proposal
-        self.misses: Dict[Optional[int], int] = {}  # per bucket: 1 + probes in a row that found it not worth it
-        # observed / curve cost of rounds that draft ("wide") and of plain rounds launched ahead ("ahead"),
-        # what drafting is weighed against; rounds seen of each kind
-        self.scale = {"wide": 1.0, "ahead": 1.0}
-        self.scale_rounds = {"wide": 0, "ahead": 0}
-        if mechanisms.delayed_first_probe and prior.first_probe > PROBE_EVERY:  # start further along the back-off
-            self.misses[None] = 1 + max(0, (prior.first_probe // PROBE_EVERY).bit_length() - 1)
-
-    def new_request(self) -> None:
-        """Start another request with this drafter: keep the estimates, at most MEMORY_TRIALS rounds' weight
-        (the Engine makes a new scheduler per request instead when Mechanisms.memory is off)."""
-        for key, trials in self.trials.items():
-            scale = min(1.0, MEMORY_TRIALS / max(max(trials), 1e-9))
-            self.trials[key] = [t * scale for t in trials]
-            self.hits[key] = [h * scale for h in self.hits[key]]
 
     def rates(self, key: Optional[int] = None) -> List[float]:
         """Estimated conditional acceptance of each draft position (given its predecessors were accepted)
@@ -222,10 +171,8 @@ class DraftScheduler:
 
     def verify_cost(self, width: int) -> float:
         """Seconds of a round verifying `width` tokens (width 1: a plain step, pipelined as the loop runs
-        plain rounds it can launch ahead): the curve, corrected by the rounds observed."""
-        if width > 1:
-            return self.curve(width) * self.scale["wide"]
-        return self.curve.plain() * self.scale["ahead"]
+        plain rounds it can launch ahead)."""
+        return self.curve(width) if width > 1 else self.curve.plain()
 
     def _drafting(self, g: int, key: Optional[int]) -> float:
         """Seconds of drafting a round of gamma g costs (free mode: the bucket's cost per proposal)."""
@@ -247,15 +194,12 @@ class DraftScheduler:
         return max(range(top + 1), key=rate)
 
     def _due(self, key: Optional[int], at: int) -> bool:
-        """Whether bucket `key`, not worth drafting, is to be probed at round `at`: at once when it was never
-        tried by a free drafter (its first proposal from a bucket is verified: that costs little and is how
+        """Whether bucket `key`, not worth drafting, is to be probed at round `at`: every PROBE_EVERY rounds,
+        and at once when a free drafter never had a proposal from it verified (that costs little and is how
         the bucket's estimate starts from data rather than the prior)."""
-        if self.free and key not in self.last_try and key not in self.misses:
+        if self.free and key not in self.last_try:
             return True
-        if not self.mechanisms.backoff:
-            return at - self.last_try.get(key, 0) >= PROBE_EVERY
-        wait = min(PROBE_EVERY * 2 ** max(0, self.misses.get(key, 1) - 1), PROBE_MAX)
-        return at - self.last_try.get(key, 0) >= wait
+        return at - self.last_try.get(key, 0) >= PROBE_EVERY
 
     def _gamma(self, at: int) -> int:
         """The gamma of round `at` for a drafter that is not free."""
@@ -298,15 +242,6 @@ class DraftScheduler:
             return False
         return all(self.best_gamma(k, sunk=True) == 0 and not self._due(k, at) for k in keys)
 
-    def _observe_cost(self, kind: str, seconds: float, predicted: float) -> None:
-        """Move the curve's correction for rounds of `kind` toward seconds / predicted."""
-        if seconds <= 0 or not self.mechanisms.correct_costs:
-            return
-        ratio = min(max(seconds / predicted, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
-        self.scale_rounds[kind] += 1
-        weight = max(1.0 / (self.scale_rounds[kind] + 1), SCALE_WEIGHT)  # the 1.0 start counts as one round
-        self.scale[kind] += weight * (ratio - self.scale[kind])
-
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
         """Update the estimates after a round that verified `proposed` draft tokens of bucket `key` and kept
@@ -314,18 +249,14 @@ class DraftScheduler:
 
         Args:
             draft_s, verify_s: seconds of its drafting and of its verify (forward to read-back).
-            ahead: a plain round launched before the previous one was read back.
-            round_s: wall seconds since the previous round's read-back (the round's true cost); None: use
-                draft_s + verify_s, and learn nothing from a round launched ahead (its verify_s is a wait).
+            ahead, round_s: whether the round was launched before the previous one was read back, and the
+                wall seconds since that read-back (DraftPolicy's interface; this scheduler trusts the
+                measured curve instead: correcting it by observed rounds showed no benefit, see
+                docs/benchmarks.md).
         """
         self.round += 1
-        if proposed:
-            self._observe_cost("wide", round_s - draft_s if round_s is not None else verify_s, self.curve(proposed + 1))
-        elif ahead and round_s is not None:
-            self._observe_cost("ahead", round_s, self.curve.plain())
         if not proposed:
             return
-        probe = self._due(key, self.round - 1)  # drafted because a probe was due (not a verdict "worth it")
         hits = self.hits.setdefault(key, [0.0] * self.max_draft)
         trials = self.trials.setdefault(key, [0.0] * self.max_draft)
         for i in range(min(proposed, accepted + 1, self.max_draft)):
@@ -340,11 +271,6 @@ class DraftScheduler:
                 sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample
             )
         self.last_try[key] = self.round
-        misses = self.misses.get(key, 0)
-        if self.best_gamma(key) > 0:
-            self.misses[key] = 0
-        elif probe or misses == 0:  # a probe that did not change the verdict, or the first "not worth it"
-            self.misses[key] = misses + 1
 
 
 def drafter_pays(curve: CostCurve, prior: Prior, max_draft: int, per_round: bool) -> bool:

@@ -1,7 +1,7 @@
 """What speculative decoding keeps per target model: `SpecState`, owned by the Engine.
 
-It holds the draft models and block drafters loaded for the target (each loaded once), the schedulers
-(what earlier requests learned), the cost curves and calibration priors (measured once per model and
+It holds the draft models and block drafters loaded for the target (each loaded once), the cost curves
+and calibration priors (measured once per model and
 machine and cached on disk by cost.py / calibrate.py, memoized here), and turns a request's validated
 SpecOptions into a token iterator: choose the drafter, choose the draft-length policy, run the loop.
 """
@@ -27,7 +27,7 @@ from .loop import SpecStats, check_rollback, speculative_tokens
 from .modes import DraftModel, SpecOptions
 from .resolve import (BLOCK_MODES, block_drafter, load_block_model, load_draft_model, registered_sources,
                       warn_broken)
-from .schedule import DraftPolicy, DraftScheduler, FixedGamma, Mechanisms, drafter_pays, speculation_pays
+from .schedule import DraftPolicy, DraftScheduler, FixedGamma, drafter_pays, speculation_pays
 from .target import Target
 
 Say = Optional[Callable[[str], None]]
@@ -41,13 +41,11 @@ class SpecState:
 
     Args:
         target: the Target (model, tokenizer, measurement key, registry names, weights mode).
-        mechanisms: scheduler switches (bench/spec.py --policy measures each against its absence).
         registry: a registry.json to read instead of the installed one (tests).
     """
 
-    def __init__(self, target: Target, mechanisms: Mechanisms = Mechanisms(), registry: Optional[Path] = None):
+    def __init__(self, target: Target, registry: Optional[Path] = None):
         self.target = target
-        self.mechanisms = mechanisms
         self.registry = registry
         self._draft_models: Dict[str, nn.Module] = {}  # path / repo id -> loaded draft model
         self._block_models: Dict[Tuple[str, str], tuple] = {}  # (mode, path) -> (Backbone, ident)
@@ -55,9 +53,8 @@ class SpecState:
         self._auto_block: Optional[str] = None  # the registered mode auto backs lookup with ("" for none)
         self._curves: Dict[int, CostCurve] = {}
         self._priors: Dict[str, object] = {}
+        self._object_priors: List[Tuple[nn.Module, object]] = []  # (model object, prior): ident-less drafters
         self._skip: Optional[List[int]] = None
-        # (mode, draft-model key, limit, greedy, draft model object or None) -> scheduler
-        self._schedulers: List[Tuple[tuple, object, DraftScheduler]] = []
 
     # -- measurements (memoized; cached on disk below) ------------------------------------------------
 
@@ -75,9 +72,16 @@ class SpecState:
         return max(drafter.max_draft or 0, DEFAULT_MAX_DRAFT) + 1
 
     def prior(self, drafter: Drafter, say: Say = None):
-        """A model drafter's calibration prior (calibrate.drafter_prior, memoized by its identity)."""
+        """A model drafter's calibration prior (calibrate.drafter_prior), memoized by its identity, or for a
+        model object handed in by the caller by that object (kept alive here, so never confused with
+        another one that reuses its id())."""
         if drafter.ident is None:
-            return drafter_prior(self.target, drafter, say)
+            for model, prior in self._object_priors:
+                if model is drafter.model:
+                    return prior
+            prior = drafter_prior(self.target, drafter, say)
+            self._object_priors.append((drafter.model, prior))
+            return prior
         if drafter.ident not in self._priors:
             self._priors[drafter.ident] = drafter_prior(self.target, drafter, say)
         return self._priors[drafter.ident]
@@ -174,28 +178,6 @@ class SpecState:
 
     # -- the draft-length policy -------------------------------------------------------------------------
 
-    def _scheduler(self, options: SpecOptions, drafter: Drafter, curve: CostCurve, limit: int,
-                   params: SamplingParams, say: Say) -> DraftScheduler:
-        """The scheduler of a request: the one this target used last for the same drafter, sampling kind and
-        draft limit (what it learned carries over: Mechanisms.memory), else a new one that starts from the
-        drafter's calibration prior (model drafters)."""
-        source = options.draft_model
-        named = source if isinstance(source, (str, type(None))) else None
-        key = (options.mode, named, limit, params.greedy)
-        obj = None if isinstance(source, (str, type(None))) else source
-        if self.mechanisms.memory:
-            for k, o, scheduler in self._schedulers:
-                if k == key and o is obj:  # a model object by identity, never by id()
-                    scheduler.new_request()
-                    return scheduler
-        # model drafters start from their calibration; lookup's buckets from their first verified proposal
-        prior = self.prior(drafter, say) if isinstance(drafter, MODEL_DRAFTERS) else None
-        scheduler = DraftScheduler(curve, limit, free=drafter.free, per_round=drafter.max_draft is not None,
-                                   prior=prior, mechanisms=self.mechanisms)
-        if self.mechanisms.memory:
-            self._schedulers.append((key, obj, scheduler))
-        return scheduler
-
     def policy(self, options: SpecOptions, drafter: Drafter, params: SamplingParams,
                say: Say = None) -> Optional[DraftPolicy]:
         """The draft-length policy of a request, or None where speculation cannot pay on this machine (the
@@ -208,7 +190,9 @@ class SpecState:
         curve = self.curve(self.width(drafter), say)
         if not speculation_pays(curve, limit):
             return None  # verifying several tokens costs as much as decoding them one by one here
-        return self._scheduler(options, drafter, curve, limit, params, say)
+        # model drafters start from their calibration; lookup's buckets from their first verified proposal
+        prior = self.prior(drafter, say) if isinstance(drafter, MODEL_DRAFTERS) else None
+        return DraftScheduler(curve, limit, free=drafter.free, per_round=drafter.max_draft is not None, prior=prior)
 
     # -- requests ----------------------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_infer.speculative import SpecOptions, SpecState, state as state_mod
-from mlx_infer.speculative.calibrate import (PRIOR_FIRST_PROBE, PRIOR_WEIGHT, block_agreement, drafter_prior,
-                                             measure_block_prior, measure_prior)
+from mlx_infer.speculative.calibrate import (PRIOR_WEIGHT, block_agreement, drafter_prior, measure_block_prior,
+                                             measure_prior)
 from mlx_infer.speculative.capture import TargetTaps
 from mlx_infer.speculative.cost import CostCurve
 from mlx_infer.speculative.drafters.base import Draft, Drafter
@@ -93,7 +93,7 @@ def test_block_agreement_is_one_for_the_target_and_matches_fresh_drafters(make_t
 def test_block_prior_measures_a_drafting_pass(target, make_target):
     prior = measure_block_prior(make_target(target), DFlashDrafter(random_dflash(seed=7), target))
     assert 0 <= prior.acceptance < 0.5 and prior.draft_cost > 0
-    assert prior.weight == PRIOR_WEIGHT and prior.first_probe == PRIOR_FIRST_PROBE
+    assert prior.weight == PRIOR_WEIGHT
 
 
 @pytest.mark.parametrize("acceptance, draft_cost, pays", [(0.9, 0.1, True), (0.05, 0.1, False), (0.9, 5.0, False)])
