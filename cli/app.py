@@ -2,12 +2,15 @@
 
 import mlx_infer  # noqa: F401  (first: picks the optimized BLAS before mlx.core loads)
 
+import sys
+
 import typer
 
 from .bench import bench
 from .chat import chat
 from .convert import convert
 from .doctor import doctor
+from .errors import EXIT_BUG, click_exceptions, one_line_warnings, report_bug
 from .generate import generate
 from .train import train_drafter
 
@@ -48,27 +51,28 @@ def main() -> None:
     """Entry point of the `mlx-infer` command and `python -m mlx_infer`.
 
     A usage error (a flag of the wrong type, a missing argument, an unknown option) is one line on
-    stderr and exit status 2, like every other bad input, instead of click's boxed usage text.
+    stderr and exit status 2, like every other bad input, instead of click's boxed usage text. An
+    internal error that escapes a command is one line and exit status 1 (commands show its
+    traceback with --verbose); warnings are one `warning: ...` line each.
     """
-    import sys
-
-    try:  # recent typer releases vendor click; older ones use click itself
-        from typer._click import exceptions
-    except ImportError:
-        from click import exceptions
-
+    one_line_warnings()
     try:
         code = app(prog_name="mlx-infer", standalone_mode=False)
-    except exceptions.NoArgsIsHelpError as e:  # `mlx-infer` alone: the help text
+    except click_exceptions.NoArgsIsHelpError as e:  # `mlx-infer` alone: the help text
         e.show()
         sys.exit(e.exit_code)
-    except exceptions.UsageError as e:
+    except click_exceptions.UsageError as e:
         where = e.ctx.command_path if e.ctx is not None else "mlx-infer"
         print(f"error: {e.format_message()} (see: {where} --help)", file=sys.stderr)
         sys.exit(e.exit_code)
-    except exceptions.ClickException as e:
+    except click_exceptions.ClickException as e:
         print(f"error: {e.format_message()}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except exceptions.Abort:
+    except typer.Abort:  # Ctrl-C or end of input at a prompt
         sys.exit(1)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:
+        report_bug(e)
+        sys.exit(EXIT_BUG)
     sys.exit(code if isinstance(code, int) else 0)

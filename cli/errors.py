@@ -1,7 +1,11 @@
-"""Bad input -> `error: ...` on stderr and exit code 2; --verbose adds the traceback."""
+"""Errors on the command line: bad input -> `error: ...` on stderr and exit code 2; a bug -> one
+`error: ...` line naming the exception and exit code 1; --verbose adds the traceback. Warnings are
+one `warning: ...` line each."""
 
+import os
 import sys
 import traceback
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -9,6 +13,13 @@ import typer
 
 from mlx_infer.errors import MlxInferError
 
+try:  # typer >= 0.29 vendors click; older releases use click itself
+    from typer._click import exceptions as click_exceptions
+except ImportError:
+    from click import exceptions as click_exceptions
+
+#: Exit code of an internal error (a bug in mlx-infer or a library under it).
+EXIT_BUG = 1
 #: Exit code of bad input (as click's usage errors).
 EXIT_BAD_INPUT = 2
 #: Exit code after Ctrl-C (128 + SIGINT), as shells report it.
@@ -16,6 +27,8 @@ EXIT_INTERRUPTED = 130
 
 #: Errors a user causes: the library's own, and the OS refusing a path (permissions, disk full).
 USER_ERRORS = (MlxInferError, OSError)
+#: How the command line itself ends a command (exit codes, Ctrl-C at a prompt, usage errors): not errors here.
+CLI_EXITS = (typer.Exit, typer.Abort, click_exceptions.ClickException)
 
 
 def one_line(error: BaseException) -> str:
@@ -33,14 +46,34 @@ def report(error: BaseException, verbose: bool = False) -> None:
     print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
 
 
+def report_bug(error: BaseException, verbose: bool = False) -> None:
+    """Print `error: internal error (TYPE): MESSAGE` on stderr, after the traceback when verbose,
+    else with a pointer to --verbose."""
+    if verbose:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    text = " ".join(str(error).split()) or "no message"
+    hint = "" if verbose else "; --verbose shows the traceback"
+    print(f"error: internal error ({type(error).__name__}): {text}{hint}", file=sys.stderr, flush=True)
+
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """`warnings.formatwarning` of the command line: `warning: MESSAGE`, one line."""
+    return f"warning: {' '.join(str(message).split())}\n"
+
+
+def one_line_warnings() -> None:
+    """Show Python warnings as `warning: ...` lines on stderr, without the source line."""
+    warnings.formatwarning = format_warning
+
+
 @contextmanager
 def user_errors(verbose: bool = False) -> Iterator[None]:
-    """Run a command body: bad input exits with code 2 and one line, Ctrl-C with 130 quietly.
-
-    Anything else is a bug and keeps its traceback.
-    """
+    """Run a command body: bad input exits with code 2 and one line, Ctrl-C with 130 quietly, a bug
+    with code 1 and one line (its traceback with --verbose)."""
     try:
         yield
+    except CLI_EXITS:
+        raise
     except USER_ERRORS as e:
         if isinstance(e, BrokenPipeError):  # `mlx-infer generate ... | head -1`
             _silence_stdout()
@@ -50,6 +83,9 @@ def user_errors(verbose: bool = False) -> Iterator[None]:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        report_bug(e, verbose)
+        raise typer.Exit(EXIT_BUG)
 
 
 def fail(message: str) -> MlxInferError:
@@ -59,8 +95,6 @@ def fail(message: str) -> MlxInferError:
 
 def _silence_stdout() -> None:
     """After a broken pipe, point stdout at /dev/null so the interpreter's final flush is quiet."""
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -1,51 +1,129 @@
-"""Where mlx-infer keeps files on the user's disk."""
+"""Where mlx-infer keeps files on the user's disk, and what it does when it cannot write there.
 
+The cache only saves work: a cache that cannot be written (read-only, full, a path under a file)
+costs time, never a failure. Writes go to a unique temporary file in the same folder, renamed over
+the target, so concurrent processes never see or leave half a file.
+"""
+
+import hashlib
+import json
 import os
+import tempfile
+import warnings
 from pathlib import Path
+from typing import Callable, Optional, Set
+
+from .errors import ModelNotFoundError
+
+#: Hex digits of the sha256 kept in cache file names and model fingerprints.
+KEY_DIGITS = 16
+
+#: Cache folders already warned about in this process (one warning line each).
+_warned: Set[str] = set()
 
 
 def cache_dir() -> Path:
     """The user cache directory: `$MLX_INFER_CACHE`, else `$XDG_CACHE_HOME/mlx-infer`, else
-    `~/.cache/mlx-infer`. Created on first use."""
+    `~/.cache/mlx-infer`. Created on first use when it can be; returned even when it cannot
+    (read-only location), for reading what is there."""
     env = os.environ.get("MLX_INFER_CACHE")
     if env:
         path = Path(env)
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
         path = Path(base) / "mlx-infer"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # read-only: reads still work, writes warn (see `warn_not_cached`)
     return path
 
 
-def cached_json(kind: str, ident: str, compute, valid=None, say=None, message: str = "") -> dict:
+def warn_not_cached(folder: Path, error: OSError, consequence: str = "results are not cached") -> None:
+    """One warning line, once per process and folder, that a cache folder could not be written.
+
+    Args:
+        folder: the cache folder (cache_dir() / kind).
+        error: what the OS said.
+        consequence: what happens instead, for the user.
+    """
+    if str(folder) in _warned:
+        return
+    _warned.add(str(folder))
+    reason = error.strerror or type(error).__name__
+    warnings.warn(f"cannot write the cache folder {folder} ({reason}); {consequence}", stacklevel=3)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a unique temporary file in the same folder and `os.replace`.
+
+    Raises:
+        OSError: the folder or the file cannot be written (the temporary file is removed).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optional[Callable[[dict], bool]] = None,
+                say: Optional[Callable[[str], None]] = None, message: str = "") -> dict:
     """A JSON object computed once and kept under `cache_dir()/kind/<hash of ident>.json`.
 
     Args:
         kind: the subdirectory ("cost", "layerskip", ...).
-        ident: what the result depends on (model path, backend, ...); hashed into the file name.
+        ident: what the result depends on (model fingerprint, backend, ...); hashed into the file name.
         compute: () -> dict, run when no valid cached object exists.
         valid: (dict) -> bool, whether a cached object can be used (default: any that parses).
         say: called with `message` (plus where it is cached) before computing; not when cached.
 
     Returns:
-        The cached or newly computed dict (written atomically: a crash never leaves half a file).
+        The cached or newly computed dict. Written atomically (a crash or a concurrent writer never
+        leaves half a file); when it cannot be written, one warning and the computed dict.
     """
-    import hashlib
-    import json
-
-    path = cache_dir() / kind / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+    path = cache_dir() / kind / f"{hashlib.sha256(ident.encode()).hexdigest()[:KEY_DIGITS]}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text())
             if isinstance(data, dict) and (valid is None or valid(data)):
                 return data
-        except (ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or from an older version: compute again
     if say:
         say(f"{message} (once; cached in {path.parent})")
     data = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    try:
+        write_atomic(path, json.dumps(data))
+    except OSError as e:
+        warn_not_cached(path.parent, e)
     return data
+
+
+def model_fingerprint(mlx_dir: Path) -> str:
+    """A short identity of an MLX model directory that does not depend on where it lies.
+
+    The sha256 of config.json's bytes and the names and sizes of its *.safetensors files, so a
+    moved or copied cache keeps its measurements, and changed weights or config get new ones.
+
+    Returns:
+        KEY_DIGITS hex digits.
+
+    Raises:
+        ModelNotFoundError: the directory has no config.json.
+    """
+    mlx_dir = Path(mlx_dir)
+    config = mlx_dir / "config.json"
+    if not config.is_file():
+        raise ModelNotFoundError(f"{mlx_dir} has no config.json; it is not an MLX model directory")
+    h = hashlib.sha256(config.read_bytes())
+    for weights in sorted(mlx_dir.glob("*.safetensors")):
+        h.update(f"\0{weights.name}\0{weights.stat().st_size}".encode())
+    return h.hexdigest()[:KEY_DIGITS]

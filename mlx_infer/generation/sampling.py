@@ -85,6 +85,21 @@ class SamplingParams:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
+    def for_vocab(self, vocab: int) -> "SamplingParams":
+        """These parameters checked against a model's vocabulary of `vocab` tokens (once per request,
+        before any forward).
+
+        Returns:
+            self, or a copy with top_k=0 when top_k == vocab: keeping every token is the same
+            distribution as no top-k, and mlx-lm's `apply_top_k` takes only 0 < k < vocab.
+
+        Raises:
+            MlxInferError: top_k > vocab.
+        """
+        if self.top_k > vocab:
+            raise MlxInferError(f"top_k must be <= the vocabulary size ({vocab}); 0 keeps all, got {self.top_k}")
+        return self.with_(top_k=0) if self.top_k == vocab else self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -6,6 +6,8 @@ from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import load as mlx_lm_load
 
 from ..backend import prefer_float_weights
 from ..errors import MlxInferError, ModelNotFoundError
@@ -62,8 +64,6 @@ def resolve(model: Optional[str], progress: Optional[Callable] = None) -> ModelS
 
 def to_float32(model: nn.Module) -> nn.Module:
     """Dequantize every quantized layer and cast all weights to float32 (in place)."""
-    from mlx_lm.utils import dequantize_model
-
     model = dequantize_model(model)
     model.update(
         nn.utils.tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
@@ -89,8 +89,6 @@ def load_model(
     Raises:
         MlxInferError and subclasses for bad input.
     """
-    from mlx_lm.utils import load as mlx_lm_load
-
     if weights not in WEIGHTS_MODES:
         raise MlxInferError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
     source = resolve(model, progress)

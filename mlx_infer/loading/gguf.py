@@ -9,6 +9,8 @@ Supported architectures: llama (SmolLM2, Llama 2/3), qwen2, qwen3, gemma3; each 
 mlx-lm model class of the same family.
 """
 
+import atexit
+import errno
 import hashlib
 import json
 import numbers
@@ -19,11 +21,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
-import numpy as np
+from gguf import GGUFReader
 
 from ..defaults import GGML_BLOCK, GGUF_CONVERTER_VERSION
-from ..errors import InvalidGGUFError, ModelNotFoundError, UnsupportedModelError
-from ..paths import cache_dir
+from ..errors import InvalidGGUFError, MlxInferError, ModelNotFoundError, UnsupportedModelError
+from ..paths import cache_dir, warn_not_cached
 from .gguf_tensors import permute_rows_for_rope, tensor_to_mlx
 from .gguf_tokenizer import build_tokenizer, eos_token_ids
 
@@ -63,8 +65,6 @@ def open_gguf(path: Path):
         ModelNotFoundError: no such file.
         InvalidGGUFError: not a GGUF file, truncated or corrupt.
     """
-    from gguf import GGUFReader
-
     if not path.is_file():
         raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
     with open(path, "rb") as f:
@@ -237,11 +237,27 @@ def quantization_config(weights: dict) -> Optional[dict]:
     return config
 
 
+def staging_dir(out_dir: Path) -> Path:
+    """A new private directory next to `out_dir` (same file system), to write a conversion into and
+    rename onto `out_dir` when it is complete.
+
+    Raises:
+        OSError: the parent of out_dir cannot be created or written (NotADirectoryError when a file
+            is in the way).
+    """
+    existing = next(p for p in out_dir.parents if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file", str(existing))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+
+
 def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = None) -> Path:
     """Write the MLX model directory of a GGUF file into `out_dir`.
 
-    The directory is written next to `out_dir` under a temporary name and renamed at the end, so
-    an interrupted conversion leaves nothing half-written.
+    The output is checked first (before the slow part): the directory is written next to `out_dir`
+    under a temporary name and renamed at the end, so an interrupted or failed conversion leaves
+    nothing half-written.
 
     Args:
         path: the .gguf file.
@@ -253,36 +269,52 @@ def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = Non
 
     Raises:
         ModelNotFoundError, InvalidGGUFError, UnsupportedModelError: see `open_gguf`, `model_config`.
-        MlxInferError: out_dir exists and is not empty.
+        MlxInferError: out_dir exists and is not empty, or cannot be written.
     """
-    from ..errors import MlxInferError
-
     path, out_dir = Path(path), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MlxInferError(f"{out_dir} exists and is not a directory; choose a new output directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise MlxInferError(f"{out_dir} exists and is not empty; choose a new output directory")
-    reader = open_gguf(path)
-    fields = read_fields(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    config = model_config(fields, tensor_names)
-    tokenizer = build_tokenizer(fields)
-    weights = convert_weights(reader, config, fields["general.architecture"], progress)
-    if (quant := quantization_config(weights)) is not None:
-        config["quantization"] = quant
-        config["quantization_config"] = quant
-    config["mlx_infer"] = {"source": path.name, "converter_version": GGUF_CONVERTER_VERSION}
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        tokenizer.save_pretrained(str(tmp))
+        staging = staging_dir(out_dir)
+    except OSError as e:
+        raise MlxInferError(
+            f"cannot write {out_dir} ({e.strerror or type(e).__name__}); choose a writable output directory"
+        ) from e
+    return write_conversion(path, staging, out_dir, progress)
+
+
+def write_conversion(path: Path, staging: Path, out_dir: Path, progress: Optional[ProgressFn] = None,
+                     reader=None) -> Path:
+    """Convert a GGUF file into `staging` (from `staging_dir`), then rename it onto `out_dir`.
+
+    `reader` is the file already opened by `open_gguf` (None: opened here). `staging` is removed
+    when anything fails. Raises as `convert_gguf`.
+    """
+    try:
+        if reader is None:
+            reader = open_gguf(path)
+        fields = read_fields(reader)
+        tensor_names = {t.name for t in reader.tensors}
+        config = model_config(fields, tensor_names)
+        tokenizer = build_tokenizer(fields)
+        weights = convert_weights(reader, config, fields["general.architecture"], progress)
+        if (quant := quantization_config(weights)) is not None:
+            config["quantization"] = quant
+            config["quantization_config"] = quant
+        config["mlx_infer"] = {"source": path.name, "converter_version": GGUF_CONVERTER_VERSION}
+        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(str(staging))
         if out_dir.exists():
             out_dir.rmdir()
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
-        os.replace(tmp, out_dir)
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+        os.replace(staging, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
 
@@ -291,7 +323,9 @@ def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path
     """The cached MLX directory of a GGUF file, converting it on first use.
 
     The cache key is the file's resolved path, size and modification time, and the converter
-    version, so an edited or replaced file is converted again.
+    version, so an edited or replaced file is converted again. A conversion already in the cache
+    is used even when the cache is read-only; when the cache cannot be written, the file is
+    converted into a temporary directory (removed when the process exits) with one warning.
     """
     path = Path(path).expanduser().resolve()
     if not path.is_file():
@@ -303,4 +337,13 @@ def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path
     out_dir = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (out_dir / "config.json").is_file():
         return out_dir
-    return convert_gguf(path, out_dir, progress)
+    reader = open_gguf(path)  # a bad file is the error, whatever the cache
+    try:
+        staging = staging_dir(out_dir)
+    except OSError as e:
+        warn_not_cached(out_dir.parent, e, "converting into a temporary directory (again on every run)")
+        scratch = Path(tempfile.mkdtemp(prefix="mlx-infer-gguf-"))
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        out_dir = scratch / out_dir.name
+        staging = staging_dir(out_dir)
+    return write_conversion(path, staging, out_dir, progress, reader)

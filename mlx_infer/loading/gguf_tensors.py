@@ -27,7 +27,6 @@ REQUANT_BITS = {
     Q.IQ2_XXS: 3, Q.IQ2_XS: 3, Q.IQ2_S: 3, Q.IQ3_XXS: 4, Q.IQ3_S: 4, Q.IQ1_S: 2, Q.IQ1_M: 2,
     Q.IQ4_NL: 4, Q.IQ4_XS: 4, Q.Q8_1: 8,
 }
-NATIVE_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0)
 #: Types repacked exactly (same integers, per-32 affine) into MLX weights of these bits.
 REPACK_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5}
 

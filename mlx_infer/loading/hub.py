@@ -7,6 +7,14 @@ clear error naming the repo.
 import os
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+)
+
 from ..errors import ModelNotFoundError
 
 #: Files an MLX / HF checkpoint needs (weights, config, tokenizer, chat template, custom code).
@@ -40,14 +48,6 @@ def download_repo(repo_id: str, revision: str = None, local_only: bool = False) 
     Raises:
         ModelNotFoundError: offline and not cached, or no such repo.
     """
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
-
     offline = local_only or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         path = snapshot_download(

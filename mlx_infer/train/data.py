@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence, Union
 
+from mlx_lm.generate import BatchGenerator
+
 from ..errors import MlxInferError
 
 Prompt = Union[str, List[dict]]
@@ -159,8 +161,6 @@ def regenerate(engine, prompts: Sequence[Prompt], max_tokens: int,
     Raises:
         MlxInferError: a prompt the engine refuses (e.g. longer than the context window).
     """
-    from mlx_lm.generate import BatchGenerator
-
     eos = [int(t) for t in engine.tokenizer.eos_token_ids]
     ids = [[int(t) for t in engine.encode(p)] for p in prompts]
     limit = engine.context_length

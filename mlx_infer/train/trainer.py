@@ -11,7 +11,7 @@ Runs wherever MLX runs: the CPU backend for small targets, Metal / CUDA when pre
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -255,7 +255,6 @@ class TrainReport:
     after: Dict
     heldout: Optional[Dict]
     seconds: float
-    log_every: List[Dict] = field(default_factory=list)
 
 
 def _mean(xs) -> float:
@@ -341,9 +340,8 @@ def train_drafter(engine, data, out_dir, settings: TrainSettings, max_response_t
         say(f"measuring tau on {len(held_prompts)} held-out prompts")
         tau = heldout_tau(engine, settings.kind, out, held_prompts, tau_tokens)
     losses = [r["loss"] for r in log]
-    every = max(1, len(log) // 20)
     report = TrainReport(str(out), trainer.step, resumed_from, len(trainer.features), len(held_seqs),
                          _mean(losses[:10]), _mean(losses[-10:]), before, after, tau,
-                         time.perf_counter() - t_start, [r for r in log if r["step"] % every == 0])
+                         time.perf_counter() - t_start)
     (out / "train_report.json").write_text(json.dumps(asdict(report), indent=2))
     return report

