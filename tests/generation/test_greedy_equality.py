@@ -18,9 +18,10 @@ def check_equal(engine, prompt, chat, max_tokens):
     result = engine.generate(prompt, max_tokens=max_tokens, chat_template=chat)
     tokens, text = mlx_lm_run(engine, prompt_ids, max_tokens)
     assert result.token_ids == tokens
-    assert result.text == text
-    # mlx-lm's streaming detokenizer drops the first token's leading space; the rest is decode()'s
-    assert result.text == engine.tokenizer.decode(result.token_ids).lstrip(" ")
+    # mlx-infer's text is decode(token_ids) exactly; mlx-lm's streaming detokenizer drops the first token's
+    # leading space, and agrees otherwise
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+    assert result.text.lstrip(" ") == text
     assert result.stats.prompt_tokens == len(prompt_ids)
     assert result.stats.generated_tokens == len(result.token_ids)
     assert result.finish_reason == ("length" if len(result.token_ids) == max_tokens else "stop")
@@ -75,4 +76,4 @@ def test_chat_messages_and_system_prompt(default_engine):
     steps = list(default_engine.stream_steps(msgs, system="You are terse.", max_tokens=3))
     assert steps[-1].stats.prompt_tokens == len(ids)
     tokens = [s.token for s in steps if s.token is not None]
-    assert "".join(s.text for s in steps) == default_engine.tokenizer.decode(tokens).lstrip(" ")
+    assert "".join(s.text for s in steps) == default_engine.tokenizer.decode(tokens)
