@@ -1,0 +1,127 @@
+"""PagedKVCache: one layer's view of a request's paged KV, satisfying mlx-lm's duck-typed cache protocol
+(`offset`, `update_and_fetch`, `make_mask`, `state`, `is_trimmable`, `trim`, `nbytes`, as
+mlx_lm.models.cache.KVCache), so unmodified mlx-lm models run on it.
+
+Attention sees the live tokens in logical order (gathered from the pool through the token table) followed by
+nothing else: `offset` stays the logical position count, so RoPE keeps the original positions after
+eviction, while the keys the model attends to number only the live ones. Masks are built from the original
+positions (so sliding-window layers keep their window in positions, not in cached entries).
+"""
+
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from ..errors import MlxInferError, UnsupportedModelError
+from .pool import BlockPool
+from .sequence import PagedSequence
+
+
+class PagedKVCache:
+    """Layer `layer` of the request `sequence` (see make_paged_cache).
+
+    Args:
+        sequence: the request's PagedSequence (shared by its layers).
+        layer: this layer's index in the pool.
+    """
+
+    def __init__(self, sequence: PagedSequence, layer: int):
+        self.sequence = sequence
+        self.layer = layer
+
+    @property
+    def offset(self) -> int:
+        """Logical tokens this layer has seen (== the next token's RoPE position)."""
+        return self.sequence.offsets[self.layer]
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """Append keys [1, n_kv, L, k_dim] and values [1, n_kv, L, v_dim] (RoPE already applied at positions
+        offset .. offset + L - 1) and return the live keys [1, n_kv, S, k_dim] and values [1, n_kv, S, v_dim],
+        the new tokens last.
+
+        Raises:
+            MlxInferError: a batch other than 1, or a layout other than the pool's.
+        """
+        B, n_kv, L, kd = keys.shape
+        if B != 1:
+            raise MlxInferError(f"a PagedKVCache holds one request (batch 1), got a batch of {B}")
+        pool = self.sequence.pool
+        pool.configure(n_kv, kd, values.shape[3], keys.dtype)
+        rows = self.sequence.write_rows(self.layer, L)  # [n_kv * L]
+        pool.write(self.layer, rows, keys[0], values[0])  # [n_kv, L, D]
+        return self.sequence.live(self.layer)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """The attention mask of the next forward of N tokens, for mlx-lm's attention: None (N == 1, no
+        window: every live token is visible), "causal" (N > 1: the N new tokens follow the S live ones, MLX's
+        causal mask is aligned to the last key), or a bool array [N, S + N] built from original positions
+        (return_array, or a sliding window: key at position p visible from query q iff p <= q and
+        q < p + window_size)."""
+        if window_size is None and not return_array:
+            return None if N == 1 else "causal"
+        pos = self.sequence.live_positions() if self.offset == self.sequence.table.length else None
+        if pos is None:
+            raise MlxInferError("make_mask was called in the middle of a forward")
+        q = mx.arange(self.offset, self.offset + N)[:, None]  # [N, 1]
+        k = mx.concatenate([mx.array(pos.astype("int32")), mx.arange(self.offset, self.offset + N)])[None]
+        mask = q >= k  # [N, S + N]
+        if window_size is not None:
+            mask = mask & (q < k + window_size)
+        return mask
+
+    @property
+    def state(self) -> Tuple[mx.array, mx.array]:
+        """(keys [1, n_kv, S, k_dim], values [1, n_kv, S, v_dim]): the live tokens in logical order (a dense
+        copy for reading or evaluating; a paged cache is rebuilt by prefilling, not from a state)."""
+        if self.sequence.table.length == 0:
+            return ()
+        return self.sequence.live(self.layer)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Roll back the last n logical tokens (speculative rollback); their slots are freed. Returns how
+        many were trimmed (at most offset)."""
+        return self.sequence.trim(self.layer, n)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's share of the request's blocks (holes included: what the request retains)."""
+        return len(self.sequence.table.blocks) * self.sequence.pool.layer_block_bytes
+
+
+def make_paged_cache(model: nn.Module, pool: BlockPool) -> List[PagedKVCache]:
+    """One PagedKVCache per layer of `model` over `pool`, sharing one new PagedSequence (a request), in the
+    place of mlx-lm's make_prompt_cache. Sliding-window layers (mlx-lm's RotatingKVCache without kept
+    tokens) become paged caches too: the model passes its window to make_mask, and they keep every token
+    (so they can roll back any number of tokens).
+
+    Raises:
+        UnsupportedModelError: a layer cache other than KVCache / RotatingKVCache(keep=0).
+        MlxInferError: a pool made for another number of layers.
+    """
+    dense = make_prompt_cache(model)
+    for c in dense:
+        if not (type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0)):
+            raise UnsupportedModelError(
+                f"the paged KV cache replaces KVCache layers, this model uses {type(c).__name__}: "
+                "use the dense KV cache for it")
+    if len(dense) != pool.num_layers:
+        raise MlxInferError(f"the block pool was made for {pool.num_layers} layers, the model has {len(dense)}")
+    sequence = PagedSequence(pool, len(dense))
+    return [PagedKVCache(sequence, i) for i in range(len(dense))]
+
+
+def make_pool(model: nn.Module, **kwargs) -> BlockPool:
+    """A BlockPool with one K and V array per layer of `model`; kwargs as BlockPool (block_size,
+    budget_bytes, budget_blocks, initial_blocks)."""
+    return BlockPool(len(make_prompt_cache(model)), **kwargs)

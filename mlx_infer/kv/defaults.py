@@ -1,0 +1,33 @@
+"""Named defaults of the paged KV cache (mlx_infer/defaults.py style)."""
+
+#: Tokens per KV block (vLLM's and vToken's default, arXiv 2608.13263).
+BLOCK_SIZE = 16
+#: Blocks a fresh pool allocates on its first write; it grows geometrically up to its budget.
+POOL_INITIAL_BLOCKS = 64
+#: Growth factor of the pool's capacity when it runs out of allocated blocks.
+POOL_GROWTH = 2.0
+#: The pool shrinks (copies its used prefix into smaller arrays) when its highest used block is below
+#: capacity / POOL_SHRINK_FACTOR; the new capacity is twice that prefix (hysteresis against thrashing).
+POOL_SHRINK_FACTOR = 4
+#: vToken's repack trigger: waste (1 - mean live fraction of a request's blocks) above this.
+REPACK_WASTE = 0.25
+#: ... and free blocks at or below this fraction of the pool's budget (the low watermark).
+REPACK_LOW_WATERMARK = 0.10
+#: Decode steps between two attention observations (the queries of the last OBSERVE_WINDOW steps are
+#: scored against the cached keys in one batched pass).
+OBSERVE_PERIOD = 8
+#: Most recent queries scored per observation (== OBSERVE_PERIOD: every query is counted once).
+OBSERVE_WINDOW = 8
+#: H2O (arXiv 2306.14048): fraction of the kept budget reserved for the recent window (its scripts: 0.1 heavy
+#: + 0.1 recent of the context; here the kept tokens are split half heavy hitters, half recent).
+H2O_RECENT_FRACTION = 0.5
+#: Scissorhands (arXiv 2305.17118): observations remembered (history window), most recent tokens protected,
+#: and what counts as "low attention": below this multiple of the uniform share 1 / live tokens.
+SCISSORHANDS_HISTORY = 32
+SCISSORHANDS_RECENT = 64
+SCISSORHANDS_LOW = 1.0
+#: StreamingLLM (arXiv 2309.17453): attention sinks kept at the start.
+STREAMING_SINKS = 4
+#: SnapKV (arXiv 2404.14469): observation window (last prompt queries) and pooling kernel (its repo: 32, 5).
+SNAPKV_WINDOW = 32
+SNAPKV_KERNEL = 5
