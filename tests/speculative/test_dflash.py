@@ -7,8 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 from block_drafters import random_dflash
-from test_lossless_sampling import PARAMS, PREFIX, exact, joint_counts, noise_floor, small, tv  # noqa: F401
-from test_lossless_sampling import V as SV
+from distribution import check_lossless, flat_scenario
 
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.decode import plain_tokens
@@ -142,17 +141,21 @@ def test_incremental_context_equals_full(target):
     assert mx.allclose(incremental, fresh.block_hidden(history), atol=1e-4).item()
 
 
-def test_sampling_same_distribution(small, exact):  # noqa: F811
-    drafter_model = random_dflash(seed=21, vocab=SV, block=3, scale=0.3)
-    accepted = 0
+@pytest.fixture(scope="module")
+def flat(make_tiny):
+    return flat_scenario(make_tiny)
 
-    def sample(seed):
-        nonlocal accepted
-        stats = SpecStats()
-        out = list(speculative_tokens(small, PREFIX, PARAMS.with_(seed=seed), 2,
-                                      DFlashDrafter(drafter_model, small), 2, stats))
-        accepted += sum(stats.accepted)
-        return out
 
-    assert tv(joint_counts(sample), exact) < noise_floor(exact, 1000)
-    assert accepted > 0  # the accept path with q ran (a random drafter is rarely right)
+def test_sampling_same_distribution(flat):
+    """Drafts of 8 tokens (block 9) with q from the drafter: the first 9 tokens are jointly distributed as
+    plain sampling's (temperature, top-k, top-p, min-p, repetition penalty), against the exact joint and its
+    noise floor (distribution.py), with acceptance at draft positions 2..8 strictly between 0 and 1."""
+    model = random_dflash(seed=21, vocab=flat.joint.vocab, block=9, scale=0.3)
+    check_lossless(flat, lambda: DFlashDrafter(model, flat.target), 8, 1000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [2, 4, 8])
+def test_sampling_same_distribution_large(flat, gamma):
+    model = random_dflash(seed=21, vocab=flat.joint.vocab, block=gamma + 1, scale=0.3)
+    check_lossless(flat, lambda: DFlashDrafter(model, flat.target), gamma, 4000)

@@ -7,8 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 from block_drafters import random_dflash, random_dspark
-from test_lossless_sampling import PARAMS, PREFIX, exact, joint_counts, noise_floor, small, tv  # noqa: F401
-from test_lossless_sampling import V as SV
+from distribution import check_lossless, cycle_scenario
 
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.decode import plain_tokens
@@ -118,21 +117,41 @@ def test_greedy_identical(make_tiny, vocab):
         assert accepted > 0
 
 
-@pytest.mark.parametrize("schedule", ["all", "cost"])
-def test_sampling_same_distribution(small, exact, schedule):  # noqa: F811
-    model = random_dspark(seed=22, vocab=SV, block=3, scale=0.3)
-    accepted = 0
+@pytest.fixture(scope="module")
+def cycle(make_tiny):
+    return cycle_scenario(make_tiny)
 
-    def sample(seed):
-        nonlocal accepted
-        stats = SpecStats()
-        out = list(speculative_tokens(small, PREFIX, PARAMS.with_(seed=seed), 2,
-                                      DSparkDrafter(model, small, SCHEDULES[schedule]), 3, stats))
-        accepted += sum(stats.accepted)
-        return out
 
-    assert tv(joint_counts(sample), exact) < noise_floor(exact, 1000)
-    assert accepted > 0
+def bigram_dspark(scenario, block: int):
+    """A random DSpark (backbone weights x 0.3) with copies of the target's embedding and head, as DSpark
+    checkpoints carry them, and a full-rank Markov head holding the target's bigram table: its drafts are often,
+    not always, what the target samples."""
+    vocab = scenario.joint.vocab
+    model = random_dspark(seed=22, vocab=vocab, block=block, rank=vocab, scale=0.3)
+    model.update({"embed_tokens": {"weight": scenario.target.model.embed_tokens.weight},
+                  "lm_head": {"weight": scenario.target.lm_head.weight},
+                  "markov_head": {"markov_w1": {"weight": mx.eye(vocab)},
+                                  "markov_w2": {"weight": mx.array(scenario.table.T)}}})
+    mx.eval(model.parameters())
+    return model
+
+
+def test_sampling_same_distribution(cycle):
+    """Drafts of 4 tokens drawn left to right through the Markov head, with q: the first 5 tokens are jointly
+    distributed as plain sampling's (temperature, top-k, top-p, repetition penalty), against the exact joint
+    and its noise floor (distribution.py), with acceptance at draft positions 2..4 strictly between 0 and 1."""
+    model = bigram_dspark(cycle, block=4)
+    check_lossless(cycle, lambda: DSparkDrafter(model, cycle.target), 4, 1000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,gamma", [("all", 2), ("all", 8), ("threshold", 8), ("cost", 8)])
+def test_sampling_same_distribution_large(cycle, schedule, gamma):
+    """Larger samples, and the confidence schedules, where the verified length depends on the drafted tokens'
+    confidences (the chain then only has to be exercised to position 2)."""
+    model = bigram_dspark(cycle, block=gamma)
+    check_lossless(cycle, lambda: DSparkDrafter(model, cycle.target, SCHEDULES[schedule]), gamma, 4000,
+                   depth=None if schedule == "all" else 2)
 
 
 def test_spec_state_builds_block_drafters(tmp_path, target, make_target):

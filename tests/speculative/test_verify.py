@@ -1,7 +1,12 @@
-"""Property tests of the accept/reject functions against straightforward references (hypothesis)."""
+"""Property tests of the accept/reject functions against straightforward references (hypothesis), and the
+frequencies of what exact speculative sampling commits over many keys against the exact target distribution."""
+
+import itertools
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from distribution import Fit, Joint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,3 +108,66 @@ def test_recovered_token_distribution():
         firsts.append(int(draft[i]) if int(n.item()) == 1 else int(tok.item()))
     freq = np.bincount(firsts, minlength=4) / N
     assert np.abs(freq - p[0]).sum() / 2 < 0.02, freq
+
+
+def _target_and_draft(g, seed):
+    """Fixed p [g+1, V] (a zero per row: masked tokens), q [g, V] (a zero per row, and mass where p is 0)
+    and r [g, V], the distribution a deterministic drafter's tokens come from (q None: verify treats it as
+    one-hot)."""
+    rng = np.random.default_rng(seed)
+
+    def rows(n):
+        d = rng.dirichlet(np.ones(V), n)
+        d[np.arange(n), rng.integers(0, V, n)] = 0
+        return (d / d.sum(axis=1, keepdims=True)).astype(np.float32)
+
+    return rows(g + 1), rows(g), rows(g)
+
+
+def _committed(p, q, r, trials, seed):
+    """[trials, g+1] tokens from rounds of verify_sampling until g + 1 tokens are committed per trial. Position
+    i's target distribution is p[i] whatever came before, and the drafter draws the token at position i from
+    q[i] (or from r[i] for a deterministic drafter, q None), independently per trial: a round starting at
+    position s verifies a fresh draft of positions s..g-1 against p[s:], commits its n accepted tokens and the
+    next token, and the next round starts at s + n + 1 (the last round drafts nothing: a bonus token)."""
+    g = p.shape[0] - 1
+    rng = np.random.default_rng(seed)
+    out = np.full((trials, g + 1), -1)
+    start = np.zeros(trials, dtype=np.int64)
+    for _ in range(g + 1):
+        for s in np.unique(start[start <= g]):
+            rows = np.nonzero(start == s)[0]
+            source = np.cumsum(r[s:] if q is None else q[s:], axis=1)  # [g - s, V] CDFs
+            u = rng.random((rows.size, g - s, 1))
+            draft = np.minimum((u > source[None]).sum(axis=2), V - 1)  # [n, g - s] inverse-CDF draws
+            ps, qs = mx.array(p[s:]), None if q is None else mx.array(q[s:])
+            one = mx.vmap(lambda d, k: verify_sampling(d, ps, qs, key=k), in_axes=(0, 0))
+            keys = mx.random.split(mx.random.key(int(rng.integers(2**31))), rows.size)
+            n, tok = one(mx.array(draft, dtype=mx.int32), keys)
+            n, tok = np.array(n), np.array(tok)
+            i, j = np.nonzero(np.arange(g - s)[None] < n[:, None])  # the accepted prefix...
+            out[rows[i], s + j] = draft[i, j]
+            out[rows, s + n] = tok  # ...then the recovered / bonus token
+            start[rows] += n + 1
+    assert (start == g + 1).all() and (out >= 0).all()
+    return out
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sampling_frequencies(g, deterministic):
+    """Rounds of verify_sampling commit g + 1 tokens jointly distributed as independent draws from p_1..p_{g+1}
+    (the target's distributions, here history-independent), with drafts drawn from q (or any r for a
+    deterministic drafter): the joint of all g + 1 tokens, every prefix of it and every position fit the exact
+    product distribution within its noise floor (distribution.Fit: samples of the exact distribution itself)."""
+    p, q, r = _target_and_draft(g, seed=g)
+    trials = 20000
+    out = _committed(p, None if deterministic else q, r, trials, seed=100 + g)
+    seqs = np.array(list(itertools.product(range(V), repeat=g + 1)))  # lexicographic
+    probs = np.prod(p[np.arange(g + 1), seqs].astype(np.float64), axis=1)  # [V^(g+1)]
+    keep = probs > 0
+    cond = np.broadcast_to(p.astype(np.float64), (int(keep.sum()), g + 1, V))
+    fit = Fit(Joint(seqs[keep], probs[keep] / probs.sum(), cond))
+    floor = fit.floor(trials)
+    z, detail = fit.judge(out, floor)
+    assert z < floor.limit, (z, floor.limit, detail)
