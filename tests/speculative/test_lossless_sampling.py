@@ -9,7 +9,8 @@ threshold is the noise floor of samples drawn from that exact joint (distributio
 import mlx.core as mx
 import numpy as np
 import pytest
-from distribution import K_MAX, chain_target, check_lossless, cycle_scenario, exact_joint, flat_scenario, sampler_probs
+from distribution import (K_MAX, chain_target, check_lossless, cycle_scenario, exact_joint, flat_scenario, sampler_probs,
+                          speculative_samples)
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step, speculative_generate_step
 
@@ -148,3 +149,28 @@ def test_accepts_more_than_match_sampling(small, near_draft):
         gen.close()
         theirs += bool(from_draft)
     assert ours / 300 > theirs / 300 + 0.05, (ours / 300, theirs / 300)
+
+
+@pytest.fixture(scope="module")
+def wide_draft(make_tiny, cycle):
+    """A draft model with 4 more vocabulary rows than the target (12 -> 16), one of which competes with the
+    target's tokens after every context: its drafts often hold a token the target cannot emit."""
+    vocab = cycle.table.shape[0]
+    table = np.full((vocab + 4, vocab + 4), -4.0, dtype=np.float32)
+    table[:vocab, :vocab] = cycle.table
+    for row in range(vocab):
+        table[row, vocab + row % 4] = cycle.table[row].max() - 0.2
+    table[vocab:, :vocab] = cycle.table[:4]
+    return chain_target(make_tiny, table, seed=5, mix=3.0)
+
+
+def test_draft_tokens_outside_the_target_vocabulary_keep_sampling_exact(cycle, wide_draft):
+    """A draft token outside the target's vocabulary has target probability 0: it is rejected for certain and
+    the token after the accepted prefix comes from the residual of that rejection (its q mass drops out),
+    not from p (before: the draft was cut there and the token drawn from p, which biases the joint)."""
+    samples, stats = speculative_samples(cycle, lambda: DraftModelDrafter(wide_draft), 2, N)
+    fit, floor = cycle.fit(3, N)
+    z, detail = fit.judge(samples, floor)
+    assert z < floor.limit, (z, floor.limit, detail)
+    outside = sum(stats.proposed) - sum(stats.accepted)
+    assert outside > 0 and stats.accepted[0] > 0  # drafts were proposed, some accepted, some rejected
