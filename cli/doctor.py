@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from mlx_infer import backend
+from mlx_infer.kernels import cpu as cpu_kernels
+from mlx_infer.kernels.qmm import qmm_backend
 from mlx_infer.loading import default
 from mlx_infer.paths import cache_dir
 
@@ -54,7 +56,10 @@ def cache_groups(cache: Path) -> List[Path]:
 def cache_entries(cache: Path) -> List[Tuple[str, int]]:
     """(relative path, bytes) of each model kept in the cache: GGUF conversions and pulled files."""
     entries = []
+    kernels = cpu_kernels.build_dir().parent  # built CPU kernels, not models (the "kernels" row reports them)
     for group in cache_groups(cache):
+        if group == kernels:
+            continue
         for item in sorted(group.iterdir()):
             if is_model(item):
                 size = dir_size(item) if item.is_dir() else item.stat().st_size
@@ -114,6 +119,9 @@ def collect() -> dict:
         "blas": blas,
         "blas_fix": blas_fix() if slow_blas else None,
         "cpu_fast_path": backend_name == "cpu" and blas != "reference",
+        "kernels": qmm_backend() if backend_name != "cpu" or cpu_kernels.available() else "reference",
+        "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
+        "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "cache_dir": str(cache),
         "cache": [{"path": p, "bytes": b} for p, b in cache_entries(cache)],
         "measurements": [{"kind": k, "files": n, "bytes": b} for k, n, b in measurement_caches(cache)],
@@ -141,9 +149,19 @@ def render(info: dict) -> Table:
     table.add_row("BLAS", blas)
     if info["blas_fix"]:
         table.add_row("fix", f"[yellow]{info['blas_fix']}[/yellow]")
+    if info["kernels_missing"]:
+        table.add_row("kernels", f"[yellow]off: {info['kernels_missing']}[/yellow]")
+    else:
+        threads = f", {info['kernel_threads']} threads" if info["kernel_threads"] else ""
+        table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}")
     if info["backend"] == "cpu":
-        table.add_row("CPU fast path", "float32 weights (--weights auto)" if info["cpu_fast_path"]
-                      else "off (needs an optimized BLAS)")
+        if info["kernel_threads"]:
+            fast = "quantized weights on the CPU kernels (--weights auto)"
+        elif info["cpu_fast_path"]:
+            fast = "float32 weights (--weights auto)"
+        else:
+            fast = "off (needs the CPU kernels or an optimized BLAS)"
+        table.add_row("CPU fast path", fast)
     dm = info["default_model"]
     table.add_row("default model", f"{dm['name']}: {dm['where']}" + (f"\n{dm['path']}" if dm["path"] else ""))
     table.add_row("model cache", info["cache_dir"])

@@ -9,8 +9,11 @@ import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
-from ..backend import prefer_float_weights
+from ..backend import backend_name, prefer_float_weights
 from ..errors import MlxInferError, ModelNotFoundError
+from ..kernels import cpu as cpu_kernels
+from ..kernels.linear import supports, use_kernels
+from ..kernels.qmm import qmm_backend
 from . import default, gguf, hub
 
 WEIGHTS_MODES = ("auto", "native", "float32")
@@ -26,6 +29,9 @@ class ModelSource:
         path: the file or directory read.
         mlx_dir: the MLX directory mlx-lm loaded (the GGUF's cached conversion for GGUF files).
         weights: "native" (as stored, quantized when the file is) or "float32" (CPU fast path).
+        kernels: the backend of mlx-infer's quantized matmul kernel the quantized layers run on
+            (kernels.qmm.qmm_backend(), e.g. "cpu-avx512"), or None: MLX's own quantized matmul, or no
+            quantized layers.
     """
 
     name: str
@@ -33,6 +39,7 @@ class ModelSource:
     path: Path
     mlx_dir: Path
     weights: str = "native"
+    kernels: Optional[str] = None
 
 
 def resolve(model: Optional[str], progress: Optional[Callable] = None) -> ModelSource:
@@ -80,7 +87,10 @@ def load_model(
     Args:
         model: see `resolve`.
         weights: "native" keeps the stored (often quantized) weights; "float32" dequantizes them;
-            "auto" picks float32 on the CPU backend with an optimized BLAS when memory allows.
+            "auto" keeps them on the CPU backend when mlx-infer's CPU kernels are available (they run the
+            quantized layers), else picks float32 on the CPU backend with an optimized BLAS when memory
+            allows. Native quantized layers run on the CPU kernels whenever they are available
+            (`MLX_INFER_KERNELS=off` turns them off).
         progress: see `resolve`.
 
     Returns:
@@ -98,10 +108,14 @@ def load_model(
         if "not supported" in str(e).lower():
             raise MlxInferError(f"{source.name}: {e}") from e
         raise
+    quantized = any(supports(m) for _, m in net.named_modules())
+    kernels = quantized and weights != "float32" and backend_name() == "cpu" and cpu_kernels.available()
     if weights == "auto":
-        weights = "float32" if prefer_float_weights(_float_bytes(net)) else "native"
+        weights = "float32" if not kernels and prefer_float_weights(_float_bytes(net)) else "native"
     if weights == "float32":
         net = to_float32(net)
+    elif kernels and use_kernels(net):
+        source.kernels = qmm_backend()
     source.weights = weights
     return net, tokenizer, config, source
 

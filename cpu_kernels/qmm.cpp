@@ -1,0 +1,329 @@
+#include "qmm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/utils.h"
+#include "qmm_kernel.h"
+#include "thread_pool.h"
+
+namespace mlx_infer_kernels {
+namespace {
+
+// Products smaller than this (M * N * K multiply-adds) run on one thread: splitting them costs more
+// than it saves (measured with bench/kernels.py on 2 cores).
+constexpr int64_t kParallelMinMacs = 1 << 18;
+// Chunks of rows per thread in a split product (later chunks balance a core that was busy).
+constexpr int kChunksPerThread = 4;
+
+const QmmKernel& pick_kernel() {
+  const char* want = std::getenv("MLX_INFER_KERNEL_ISA");  // "avx2" or "generic" force a variant
+  std::string w = want ? want : "";
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && (w.empty() || w == "avx512")) return kernel_avx512();
+  if (avx2 && (w.empty() || w == "avx512" || w == "avx2")) return kernel_avx2();
+#endif
+  return kernel_generic();
+}
+
+const QmmKernel& kernel() {
+  static const QmmKernel& k = pick_kernel();
+  return k;
+}
+
+Dtype to_kernel_dtype(mx::Dtype t, const char* what) {
+  if (t == mx::float32) return Dtype::f32;
+  if (t == mx::float16) return Dtype::f16;
+  if (t == mx::bfloat16) return Dtype::bf16;
+  throw std::invalid_argument(std::string("[qmm] ") + what + " must be float32, float16 or bfloat16");
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << "]";
+  return s.str();
+}
+
+// Checks the weight operands; returns N and K.
+std::pair<int, int> check_weights(
+    const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("[qmm] bits must be 4 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("[qmm] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) {
+    throw std::invalid_argument("[qmm] w must be a 2-D uint32 array, got " + shape_str(w));
+  }
+  const int N = w.shape(0);
+  const int K = w.shape(1) * 32 / bits;
+  if (K % group_size != 0) {
+    throw std::invalid_argument("[qmm] K must be a multiple of group_size");
+  }
+  const mx::Shape sb{N, K / group_size};
+  if (scales.shape() != sb || biases.shape() != sb) {
+    throw std::invalid_argument(
+        "[qmm] scales and biases must be " + shape_str(mx::zeros(sb, mx::float32)) + " for w " +
+        shape_str(w) + ", got " + shape_str(scales) + " and " + shape_str(biases));
+  }
+  if (scales.dtype() != biases.dtype()) {
+    throw std::invalid_argument("[qmm] scales and biases must have one dtype");
+  }
+  to_kernel_dtype(scales.dtype(), "scales and biases");
+  return {N, K};
+}
+
+// A weight operand that is surely row-contiguous when the kernel runs.
+mx::array row_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.status() != mx::array::unscheduled && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[qmm] the CPU kernels run on a CPU stream only");
+  }
+  return stream;
+}
+
+void require_row_contiguous(const mx::array& a, const char* what) {
+  if (!a.flags().row_contiguous) {
+    throw std::runtime_error(std::string("[qmm] ") + what + " is not row-contiguous");
+  }
+}
+
+// Buffers the kernels stream through start on a cache line: unaligned 64-byte loads cost 1.5x in the
+// register tiles of fewer than 4 rows (measured on Zen 4).
+constexpr size_t kAlignFloats = 16;
+
+float* aligned(std::vector<float>& buffer, size_t n) {
+  if (buffer.size() < n + kAlignFloats) buffer.resize(n + kAlignFloats);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+}
+
+float* thread_scratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  return aligned(scratch, n);
+}
+
+// Calls fn(n0, n1, scratch) over [0, N) in chunks of whole row blocks, on one thread for small work.
+template <class F>
+void split_rows(int N, int K, int64_t macs, F&& fn) {
+  const QmmKernel& k = kernel();
+  ThreadPool& pool = ThreadPool::instance();
+  const size_t scratch_floats = size_t(k.rows_per_block) * K;
+  if (macs < kParallelMinMacs || pool.size() == 1) {
+    fn(0, N, thread_scratch(scratch_floats));
+    return;
+  }
+  const int rb = k.rows_per_block;
+  const int blocks = (N + rb - 1) / rb;
+  const int chunks = std::max(1, std::min(blocks, pool.size() * kChunksPerThread));
+  const int per_chunk = (blocks + chunks - 1) / chunks * rb;  // rows, a multiple of rb
+  const int n_chunks = (N + per_chunk - 1) / per_chunk;
+  pool.parallel_for(n_chunks, [&](int c) {
+    const int n0 = c * per_chunk;
+    fn(n0, std::min(N, n0 + per_chunk), thread_scratch(scratch_floats));
+  });
+}
+
+// x [M, K] (any strides) as row-contiguous float32 dst [M, K], in the kernel's order: for bits 4 each
+// block of 2 * lanes values holds its even-indexed values first, then the odd ones (the order the
+// kernel unpacks 4-bit codes in, see qmm_body.h).
+template <class T>
+void load_x(const T* src, const mx::Strides& st, int M, int K, int bits, int lanes, float* dst) {
+  for (int m = 0; m < M; ++m) {
+    const T* row = src + m * st[0];
+    float* out = dst + int64_t(m) * K;
+    if (bits == 4) {
+      for (int b = 0; b < K; b += 2 * lanes) {
+        for (int i = 0; i < lanes; ++i) {
+          out[b + i] = static_cast<float>(row[(b + 2 * i) * st[1]]);
+          out[b + lanes + i] = static_cast<float>(row[(b + 2 * i + 1) * st[1]]);
+        }
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        out[k] = static_cast<float>(row[k * st[1]]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string isa() {
+  return kernel().name;
+}
+
+int num_threads() {
+  return ThreadPool::instance().size();
+}
+
+mx::array qmm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  auto [N, K] = check_weights(w, scales, biases, group_size, bits);
+  if (x.ndim() != 2 || x.shape(1) != K) {
+    throw std::invalid_argument(
+        "[qmm] x must be [M, " + std::to_string(K) + "] for w " + shape_str(w) + ", got " + shape_str(x));
+  }
+  if (x.shape(0) < 1) {
+    throw std::invalid_argument("[qmm] x must have at least one row");
+  }
+  to_kernel_dtype(x.dtype(), "x");
+  mx::Stream stream = cpu_stream(s);
+  return mx::array(
+      {x.shape(0), N},
+      mx::promote_types(x.dtype(), scales.dtype()),  // as mx::quantized_matmul
+      std::make_shared<Qmm>(stream, group_size, bits),
+      {x, row_contiguous(w, stream), row_contiguous(scales, stream), row_contiguous(biases, stream)});
+}
+
+mx::array dequantize_f32(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  auto [N, K] = check_weights(w, scales, biases, group_size, bits);
+  mx::Stream stream = cpu_stream(s);
+  return mx::array(
+      {N, K},
+      mx::float32,
+      std::make_shared<DequantizeF32>(stream, group_size, bits),
+      {row_contiguous(w, stream), row_contiguous(scales, stream), row_contiguous(biases, stream)});
+}
+
+void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& x = inputs[0];
+  const mx::array& w = inputs[1];
+  const mx::array& scales = inputs[2];
+  const mx::array& biases = inputs[3];
+  mx::array& out = outputs[0];
+  require_row_contiguous(w, "w");
+  require_row_contiguous(scales, "scales");
+  require_row_contiguous(biases, "biases");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(out);
+
+  QmmArgs a{};
+  a.w = w.data<uint32_t>();
+  a.scales = scales.data<void>();
+  a.biases = biases.data<void>();
+  a.y = out.data<void>();
+  a.M = x.shape(0);
+  a.K = x.shape(1);
+  a.N = w.shape(0);
+  a.ldy = a.N;
+  a.group_size = group_size_;
+  a.bits = bits_;
+  a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
+  a.y_dtype = to_kernel_dtype(out.dtype(), "y");
+  encoder.dispatch([a, xp = x.data<void>(), xt = x.dtype(), xs = x.strides()]() mutable {
+    const int lanes = kernel().lanes;
+    std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order, on a cache line (small)
+    float* xf = aligned(xbuf, size_t(a.M) * a.K);
+    if (xt == mx::float32) {
+      load_x(static_cast<const float*>(xp), xs, a.M, a.K, a.bits, lanes, xf);
+    } else if (xt == mx::float16) {
+      load_x(static_cast<const mx::float16_t*>(xp), xs, a.M, a.K, a.bits, lanes, xf);
+    } else {
+      load_x(static_cast<const mx::bfloat16_t*>(xp), xs, a.M, a.K, a.bits, lanes, xf);
+    }
+    a.x = xf;
+    const QmmKernel& k = kernel();
+    split_rows(a.N, a.K, int64_t(a.M) * a.N * a.K, [&](int n0, int n1, float* scratch) {
+      k.rows(a, n0, n1, scratch);
+    });
+  });
+}
+
+void DequantizeF32::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& w = inputs[0];
+  const mx::array& scales = inputs[1];
+  const mx::array& biases = inputs[2];
+  mx::array& out = outputs[0];
+  require_row_contiguous(w, "w");
+  require_row_contiguous(scales, "scales");
+  require_row_contiguous(biases, "biases");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(out);
+
+  QmmArgs a{};
+  a.w = w.data<uint32_t>();
+  a.scales = scales.data<void>();
+  a.biases = biases.data<void>();
+  a.N = out.shape(0);
+  a.K = out.shape(1);
+  a.group_size = group_size_;
+  a.bits = bits_;
+  a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
+  a.y_dtype = Dtype::f32;
+  encoder.dispatch([a, y = out.data<float>()]() {
+    const QmmKernel& k = kernel();
+    // Weighted like a 4-row product: dequantizing is a few operations per value.
+    split_rows(a.N, a.K, int64_t(4) * a.N * a.K, [&](int n0, int n1, float*) {
+      k.dequant(a, n0, n1, y + int64_t(n0) * a.K);
+    });
+  });
+}
+
+void Qmm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[qmm] the mlx-infer CPU kernels have no GPU implementation");
+}
+
+void DequantizeF32::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[qmm] the mlx-infer CPU kernels have no GPU implementation");
+}
+
+bool Qmm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Qmm&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+bool DequantizeF32::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DequantizeF32&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> Qmm::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[1].shape(0)}};
+}
+
+std::vector<mx::Shape> DequantizeF32::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+}
+
+}  // namespace mlx_infer_kernels

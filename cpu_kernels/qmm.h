@@ -1,0 +1,73 @@
+// The quantized skinny matmul as MLX operations (Primitives with eval_cpu).
+#pragma once
+
+#include <string>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mlx_infer_kernels {
+
+namespace mx = mlx::core;
+
+// y = x @ dequantize(w, scales, biases).T, MLX's affine layout (as mx::quantized_matmul with
+// transpose=true): x [M, K] float32/float16/bfloat16 (any strides), w [N, K * bits / 32] uint32,
+// scales and biases [N, K / group_size] float32/float16/bfloat16 (one dtype, usually x's); y [M, N]
+// in promote_types(x, scales) (x's dtype when they match), accumulated in float32.
+// Each weight group is read once for all M rows. bits 4 or 8, group_size 32, 64 or 128.
+// Throws std::invalid_argument on other shapes or dtypes, or a stream that is not on the CPU.
+mx::array qmm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// The weight as float32 [N, K] (the wide path: one dequantization, then a BLAS matmul).
+mx::array dequantize_f32(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// The instruction set the kernels run with: "avx512", "avx2", "neon" or "generic".
+std::string isa();
+
+// Threads the kernels split a product over (the caller included).
+int num_threads();
+
+class Qmm : public mx::Primitive {
+ public:
+  Qmm(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxInferQmm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+class DequantizeF32 : public mx::Primitive {
+ public:
+  DequantizeF32(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxInferDequantizeF32"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+}  // namespace mlx_infer_kernels

@@ -1,0 +1,57 @@
+// AVX2 + FMA variant (8 floats per register, 2 x 4 register tiles of 16 registers). Compiled with
+// -mavx2 -mfma -mf16c.
+#include <immintrin.h>
+
+#include "qmm_body.h"
+
+namespace mlx_infer_kernels {
+namespace {
+
+struct Avx2 {
+  using V = __m256;
+  static constexpr int L = 8;
+  static constexpr int NB = 4;
+  static constexpr int MB = 2;  // 8 accumulators + 4 weight vectors + 1 x vector
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  // 8 bytes -> 16 codes in kernel order: out[0] = low nibbles (codes 0, 2, .., 14), out[1] = high.
+  static void codes4(const uint8_t* p, V* out) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+    out[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+  // 8 bytes -> codes 0..7 and 8..15 in natural order (byte i: code 2i low nibble, 2i+1 high).
+  static void codes4_natural(const uint8_t* p, V* out) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m128i v = _mm_unpacklo_epi8(lo, hi);
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+  }
+  static void codes8(const uint8_t* p, V* out) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+
+}  // namespace
+
+const QmmKernel& kernel_avx2() {
+  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>};
+  return k;
+}
+
+}  // namespace mlx_infer_kernels

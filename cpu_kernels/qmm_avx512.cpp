@@ -1,0 +1,50 @@
+// AVX-512 variant (16 floats per register, 4 x 4 register tiles). Compiled with -mavx512f/bw/dq/vl.
+#include <immintrin.h>
+
+#include "qmm_body.h"
+
+namespace mlx_infer_kernels {
+namespace {
+
+struct Avx512 {
+  using V = __m512;
+  static constexpr int L = 16;
+  static constexpr int NB = 4;  // weight rows per block
+  static constexpr int MB = 4;  // x rows per register tile (16 accumulators of 32 registers)
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V set1(float f) { return _mm512_set1_ps(f); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  // 16 bytes -> 32 codes in kernel order: out[0] = low nibbles (codes 0, 2, .., 30), out[1] = high.
+  static void codes4(const uint8_t* p, V* out) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+  // 16 bytes -> codes 0..15 and 16..31 in natural order (byte i: code 2i low nibble, 2i+1 high).
+  static void codes4_natural(const uint8_t* p, V* out) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+  }
+  static void codes8(const uint8_t* p, V* out) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+
+}  // namespace
+
+const QmmKernel& kernel_avx512() {
+  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>};
+  return k;
+}
+
+}  // namespace mlx_infer_kernels

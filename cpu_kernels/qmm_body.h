@@ -1,0 +1,311 @@
+// The kernel body, written once over a small SIMD trait S (vector type V of S::L floats, load, store,
+// fma, horizontal sum, and the unpacking of 4-bit / 8-bit codes). Included by one translation unit
+// per instruction set, inside an anonymous namespace: every function here has internal linkage.
+//
+// Algorithm (per block of NB weight rows): dequantize each value once (w = scale * q + bias, one fma)
+// and multiply it with all M rows of x. For M <= MB the dequantized values stay in registers
+// (fused_tile); for more rows they go to a float32 scratch of NB rows that stays in L1 and is
+// multiplied in register tiles of MB x NB accumulators (tile). Each weight group is read from memory
+// once for all M rows; the accumulation is in float32. For bits 4 the codes are unpacked as low
+// nibbles then high nibbles (2 operations per vector instead of an interleave), so x is reordered
+// once per call to match.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "qmm_kernel.h"
+
+// Fully unrolls a loop over register tiles (GCC otherwise leaves some tile heights rolled, with the
+// accumulators in memory).
+#if defined(__clang__)
+#define MLX_INFER_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define MLX_INFER_UNROLL _Pragma("GCC unroll 16")
+#else
+#define MLX_INFER_UNROLL
+#endif
+
+namespace mlx_infer_kernels {
+namespace {
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as MLX's bfloat16 conversion; NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return uint16_t((u >> 16) | 0x40u);
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+template <class S>
+inline float load_param(const void* p, int64_t i, Dtype dt) {
+  switch (dt) {
+    case Dtype::f32:
+      return static_cast<const float*>(p)[i];
+    case Dtype::f16:
+      return S::h2f(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+template <class S>
+inline void store_y(const QmmArgs& a, int m, int n, float v) {
+  int64_t i = int64_t(m) * a.ldy + n;
+  switch (a.y_dtype) {
+    case Dtype::f32:
+      static_cast<float*>(a.y)[i] = v;
+      break;
+    case Dtype::f16:
+      static_cast<uint16_t*>(a.y)[i] = S::f2h(v);
+      break;
+    default:
+      static_cast<uint16_t*>(a.y)[i] = float_to_bf16(v);
+  }
+}
+
+// How far ahead of the group being unpacked the weight stream is prefetched (bytes). Rows are
+// contiguous, so this reaches into the row blocks that follow; the hardware prefetcher alone keeps up
+// poorly when other programs load the memory bus (measured: 4x slower on the 8-bit lm_head).
+constexpr int64_t kPrefetchBytes = 16384;
+
+// Codes per unpacking step: S::L bytes hold 2L 4-bit codes or L 8-bit codes.
+template <class S, int BITS>
+constexpr int kStep = BITS == 4 ? 2 * S::L : S::L;
+
+// Weight row n as float32 into out[0:K]. Kernel order (NATURAL false): for bits 4 each block of 2L
+// values holds the even-indexed ones first, then the odd ones (x is reordered the same way, see
+// load_x in qmm.cpp); natural order (NATURAL true) is the weight's own, for the wide path.
+template <class S, int BITS, bool NATURAL>
+inline void dequant_row(const QmmArgs& a, int n, float* out) {
+  using V = typename S::V;
+  constexpr int L = S::L;
+  const int gs = a.group_size;
+  const int64_t groups = a.K / gs;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + int64_t(n) * a.K * BITS / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    const V s = S::set1(load_param<S>(a.scales, n * groups + g, a.sb_dtype));
+    const V b = S::set1(load_param<S>(a.biases, n * groups + g, a.sb_dtype));
+    float* o = out + g * gs;
+    const uint8_t* q = row + g * gs * BITS / 8;
+    __builtin_prefetch(q + kPrefetchBytes, 0, 0);
+    for (int k = 0; k < gs; k += kStep<S, BITS>) {
+      V v[2];
+      if constexpr (BITS == 8) {
+        S::codes8(q + k, v);
+      } else if constexpr (NATURAL) {
+        S::codes4_natural(q + k / 2, v);
+      } else {
+        S::codes4(q + k / 2, v);
+      }
+      S::store(o + k, S::fma(v[0], s, b));
+      if constexpr (BITS == 4) {
+        S::store(o + k + L, S::fma(v[1], s, b));
+      }
+    }
+  }
+}
+
+// Rows m0..m0+MB of y for weight rows n..n+NB, dequantizing each group into registers (no scratch):
+// the path for M <= S::MB, where each dequantized value is used by every row at once.
+template <class S, int BITS, int NB, int MB>
+inline void fused_tile(const QmmArgs& a, int m0, int n) {
+  using V = typename S::V;
+  constexpr int L = S::L;
+  constexpr int step = kStep<S, BITS>;
+  const int K = a.K;
+  const int gs = a.group_size;
+  const int64_t groups = K / gs;
+  const int64_t row_bytes = int64_t(K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+  const float* x = a.x + int64_t(m0) * K;
+  V acc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = S::zero();
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float sb[NB][2];
+    for (int j = 0; j < NB; ++j) {
+      sb[j][0] = load_param<S>(a.scales, (n + j) * groups + g, a.sb_dtype);
+      sb[j][1] = load_param<S>(a.biases, (n + j) * groups + g, a.sb_dtype);
+      __builtin_prefetch(w + j * row_bytes + g * gs * BITS / 8 + kPrefetchBytes, 0, 0);
+    }
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += step) {
+      V xv[MB][2];
+      for (int m = 0; m < MB; ++m) {
+        xv[m][0] = S::load(x + int64_t(m) * K + k);
+        if constexpr (BITS == 4) xv[m][1] = S::load(x + int64_t(m) * K + k + L);
+      }
+      for (int j = 0; j < NB; ++j) {
+        V q[2];
+        const V s = S::set1(sb[j][0]);
+        const V b = S::set1(sb[j][1]);
+        if constexpr (BITS == 4) {
+          S::codes4(w + j * row_bytes + k / 2, q);
+        } else {
+          S::codes8(w + j * row_bytes + k, q);
+        }
+        q[0] = S::fma(q[0], s, b);
+        if constexpr (BITS == 4) q[1] = S::fma(q[1], s, b);
+        for (int m = 0; m < MB; ++m) {
+          acc[m][j] = S::fma(q[0], xv[m][0], acc[m][j]);
+          if constexpr (BITS == 4) acc[m][j] = S::fma(q[1], xv[m][1], acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      store_y<S>(a, m0 + m, n + j, S::hsum(acc[m][j]));
+    }
+  }
+}
+
+template <class S, int BITS, int NB>
+inline void fused_rows(const QmmArgs& a, int n) {
+  switch (a.M) {
+    case 1:
+      fused_tile<S, BITS, NB, 1>(a, 0, n);
+      break;
+    case 2:
+      if constexpr (S::MB >= 2) fused_tile<S, BITS, NB, 2>(a, 0, n);
+      break;
+    case 3:
+      if constexpr (S::MB >= 3) fused_tile<S, BITS, NB, 3>(a, 0, n);
+      break;
+    default:
+      if constexpr (S::MB >= 4) fused_tile<S, BITS, NB, 4>(a, 0, n);
+      break;
+  }
+}
+
+// acc[m][j] = x[m0 + m, :] . wq[j, :] for MB rows of x and NB dequantized weight rows (L1 scratch).
+template <class S, int NB, int MB>
+inline void tile(const QmmArgs& a, int m0, int n, const float* wq) {
+  using V = typename S::V;
+  constexpr int L = S::L;
+  const int K = a.K;
+  const float* x = a.x + int64_t(m0) * K;
+  V acc[MB][NB];
+  MLX_INFER_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    MLX_INFER_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = S::zero();
+    }
+  }
+  for (int k = 0; k < K; k += L) {
+    V wv[NB];
+    MLX_INFER_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = S::load(wq + int64_t(j) * K + k);
+    }
+    MLX_INFER_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      const V xv = S::load(x + int64_t(m) * K + k);
+      MLX_INFER_UNROLL
+      for (int j = 0; j < NB; ++j) {
+        acc[m][j] = S::fma(wv[j], xv, acc[m][j]);
+      }
+    }
+  }
+  MLX_INFER_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    MLX_INFER_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      store_y<S>(a, m0 + m, n + j, S::hsum(acc[m][j]));
+    }
+  }
+}
+
+template <class S, int NB, int MB>
+inline void tile_rows(const QmmArgs& a, int m0, int rows, int n, const float* wq) {
+  switch (rows) {
+    case 1:
+      tile<S, NB, 1>(a, m0, n, wq);
+      break;
+    case 2:
+      if constexpr (MB >= 2) tile<S, NB, 2>(a, m0, n, wq);
+      break;
+    case 3:
+      if constexpr (MB >= 3) tile<S, NB, 3>(a, m0, n, wq);
+      break;
+    default:
+      if constexpr (MB >= 4) tile<S, NB, 4>(a, m0, n, wq);
+      break;
+  }
+}
+
+// All M rows against NB scratch rows: full MB-row register tiles, then one shorter tile for the rest.
+// (Measured: a 4-row tile costs about what a 3-row one does, so 9 rows run as 4 + 4 + 1, not 3 + 3 + 3.)
+template <class S, int NB, int MB>
+inline void tiles_over_m(const QmmArgs& a, int n, const float* wq) {
+  int m0 = 0;
+  for (; m0 + MB <= a.M; m0 += MB) {
+    tile<S, NB, MB>(a, m0, n, wq);
+  }
+  if (m0 < a.M) {
+    tile_rows<S, NB, MB>(a, m0, a.M - m0, n, wq);
+  }
+}
+
+// Weight rows [n, n + nb) for all M rows: fused for few rows, else through the L1 scratch.
+template <class S, int BITS, int NB>
+inline void row_block(const QmmArgs& a, int n, float* scratch) {
+  if (a.M <= S::MB) {
+    fused_rows<S, BITS, NB>(a, n);
+    return;
+  }
+  for (int j = 0; j < NB; ++j) {
+    dequant_row<S, BITS, false>(a, n + j, scratch + int64_t(j) * a.K);
+  }
+  tiles_over_m<S, NB, S::MB>(a, n, scratch);
+}
+
+template <class S, int BITS>
+void rows_impl(const QmmArgs& a, int n0, int n1, float* scratch) {
+  constexpr int NB = S::NB;
+  int n = n0;
+  for (; n + NB <= n1; n += NB) {
+    row_block<S, BITS, NB>(a, n, scratch);
+  }
+  for (; n < n1; ++n) {  // the rows left over
+    row_block<S, BITS, 1>(a, n, scratch);
+  }
+}
+
+template <class S>
+void rows(const QmmArgs& a, int n0, int n1, float* scratch) {
+  if (a.bits == 4) {
+    rows_impl<S, 4>(a, n0, n1, scratch);
+  } else {
+    rows_impl<S, 8>(a, n0, n1, scratch);
+  }
+}
+
+template <class S>
+void dequant(const QmmArgs& a, int n0, int n1, float* out) {
+  for (int n = n0; n < n1; ++n) {
+    float* o = out + int64_t(n - n0) * a.K;
+    if (a.bits == 4) {
+      dequant_row<S, 4, true>(a, n, o);
+    } else {
+      dequant_row<S, 8, true>(a, n, o);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mlx_infer_kernels

@@ -1,0 +1,125 @@
+// Portable variant: 8-float "vectors" as plain arrays that the compiler vectorizes at -O3 (NEON on
+// arm64, SSE2 on baseline x86-64). Used where neither AVX-512 nor AVX2 is available.
+#include <cmath>
+
+#include "qmm_body.h"
+
+namespace mlx_infer_kernels {
+namespace {
+
+// IEEE binary16 <-> binary32, round to nearest even (software; hardware __fp16 on arm64).
+inline float half_to_float(uint16_t h) {
+#if defined(__aarch64__)
+  __fp16 v;
+  std::memcpy(&v, &h, sizeof v);
+  return float(v);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: value = man * 2^-24
+      float f = std::ldexp(float(man), -24);
+      std::memcpy(&u, &f, sizeof u);
+      u |= sign;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+inline uint16_t float_to_half(float f) {
+#if defined(__aarch64__)
+  __fp16 v = __fp16(f);
+  uint16_t h;
+  std::memcpy(&h, &v, sizeof h);
+  return h;
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to infinity
+  if (a < 0x38800000u) {  // subnormal or zero in half: round |f| * 2^24 to an integer (even ties)
+    float m = std::nearbyint(std::fabs(f) * 16777216.0f);
+    return uint16_t(sign | uint16_t(m));
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u);  // round the 13 dropped bits to nearest even
+  return uint16_t(sign | ((r - 0x38000000u) >> 13));
+#endif
+}
+
+struct Generic {
+  static constexpr int L = 8;
+  static constexpr int NB = 4;
+  static constexpr int MB = 2;
+  struct V {
+    float v[L];
+  };
+  static V zero() { return V{}; }
+  static V load(const float* p) {
+    V r;
+    for (int i = 0; i < L; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static void store(float* p, V a) {
+    for (int i = 0; i < L; ++i) p[i] = a.v[i];
+  }
+  static V fma(V a, V b, V c) {
+    for (int i = 0; i < L; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+  }
+  static V set1(float f) {
+    V r;
+    for (int i = 0; i < L; ++i) r.v[i] = f;
+    return r;
+  }
+  static float hsum(V a) {
+    float s = 0.0f;
+    for (int i = 0; i < L; ++i) s += a.v[i];
+    return s;
+  }
+  // L bytes -> 2L codes in kernel order: out[0] = low nibbles (codes 0, 2, ..), out[1] = high.
+  static void codes4(const uint8_t* p, V* out) {
+    for (int i = 0; i < L; ++i) {
+      out[0].v[i] = float(p[i] & 0x0f);
+      out[1].v[i] = float(p[i] >> 4);
+    }
+  }
+  static void codes4_natural(const uint8_t* p, V* out) {  // byte i: code 2i low, 2i+1 high nibble
+    for (int i = 0; i < L / 2; ++i) {
+      out[0].v[2 * i] = float(p[i] & 0x0f);
+      out[0].v[2 * i + 1] = float(p[i] >> 4);
+      out[1].v[2 * i] = float(p[L / 2 + i] & 0x0f);
+      out[1].v[2 * i + 1] = float(p[L / 2 + i] >> 4);
+    }
+  }
+  static void codes8(const uint8_t* p, V* out) {
+    for (int i = 0; i < L; ++i) out[0].v[i] = float(p[i]);
+  }
+  static float h2f(uint16_t h) { return half_to_float(h); }
+  static uint16_t f2h(float f) { return float_to_half(f); }
+};
+
+}  // namespace
+
+const QmmKernel& kernel_generic() {
+#if defined(__aarch64__)
+  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>};
+#else
+  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>};
+#endif
+  return k;
+}
+
+}  // namespace mlx_infer_kernels

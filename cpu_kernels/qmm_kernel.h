@@ -1,0 +1,41 @@
+// The ISA-specific half of the quantized skinny matmul: plain C++ over raw pointers, no MLX headers,
+// so that the AVX-512 / AVX2 translation units share no inline code with the rest of the library
+// (an inline function compiled for AVX-512 and picked by the linker would crash an AVX2-only CPU).
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_infer_kernels {
+
+// Element type of scales / biases and of y.
+enum class Dtype : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// One product y = x @ dequantize(w, scales, biases).T in MLX's affine layout.
+struct QmmArgs {
+  const float* x;         // [M, K] float32, row-contiguous
+  const uint32_t* w;      // [N, K * bits / 32]: value j of a word in bits [bits*j, bits*(j+1))
+  const void* scales;     // [N, K / group_size], sb_dtype
+  const void* biases;     // [N, K / group_size], sb_dtype
+  void* y;                // [M, N], y_dtype; row stride ldy elements
+  int64_t ldy;
+  int M, N, K, group_size, bits;
+  Dtype sb_dtype;
+  Dtype y_dtype;
+};
+
+// A kernel variant: its vector width and its row loop.
+struct QmmKernel {
+  const char* name;  // "avx512", "avx2", "generic"
+  int lanes;         // floats per vector register
+  int rows_per_block;  // weight rows dequantized together (chunks of N are multiples of it)
+  // Computes y[:, n0:n1]. scratch: rows_per_block * K floats, private to the calling thread.
+  void (*rows)(const QmmArgs& a, int n0, int n1, float* scratch);
+  // Dequantizes w rows [n0, n1) to float32 out [n1 - n0, K] in natural order (the wide path).
+  void (*dequant)(const QmmArgs& a, int n0, int n1, float* out);
+};
+
+const QmmKernel& kernel_avx512();
+const QmmKernel& kernel_avx2();
+const QmmKernel& kernel_generic();
+
+}  // namespace mlx_infer_kernels

@@ -1,0 +1,8 @@
+"""The kernel layer: one small module per kernel, each picking Metal, CUDA, CPU or the pure-mx reference
+by the default device and what is available.
+
+- `qmm`: the quantized skinny matmul (`qmm.qmm`, `qmm.qmm_backend`), and `linear.use_kernels(model)`,
+  which swaps a loaded model's quantized layers for ones that use it.
+- `cpu`: the CPU kernels (an MLX C++ extension built on first use; `cpu.available()`, `cpu.why_not()`).
+- `gpu_qmm`: the Metal body and its CUDA twin.
+"""

@@ -1,0 +1,353 @@
+"""The CPU kernels: an MLX C++ extension (`cpu_kernels/`: Primitives with `eval_cpu`, AVX-512 / AVX2
+chosen at run time, NEON or plain C++ elsewhere, products split over the cores), built against the MLX
+this Python runs.
+
+`pip install mlx-infer` ships the sources, not a binary: the extension is built on first use (or ahead
+of time by `build_cpu_kernels()`) into `cache_dir()/kernels/<mlx version>-<python tag>-<arch>/`, under a
+file lock so that two processes never build at once, with a one-line note on stderr (about 20 s on 2
+cores). It needs a C++ compiler, make or ninja, CMake >= 3.27 and nanobind (`pip install
+'mlx-infer[kernels]'` brings the last two). Without them, or when a build failed (the reason is
+recorded and not retried until the sources, MLX or the tools change), `available()` is False,
+`why_not()` says what is missing in one line, and callers use the pure-mx reference.
+
+    from mlx_infer.kernels import cpu
+    if cpu.available():
+        y = cpu.cpu_qmm(x, w, scales, biases, group_size=32, bits=4)   # [M, N]
+
+`MLX_INFER_KERNELS=off` turns the kernels off (the reference runs); `MLX_INFER_KERNEL_THREADS` and
+`MLX_INFER_KERNEL_ISA` (avx2, generic) pick the threads and instruction set. The environment is read
+once per process (`refresh()` reads it again).
+"""
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, Optional, Tuple
+
+import filelock
+import mlx.core as mx
+
+from mlx_infer.errors import MlxInferError
+from mlx_infer.paths import cache_dir
+
+#: Environment variable that turns the kernels off when set to "off" (or "0").
+KERNELS_ENV = "MLX_INFER_KERNELS"
+#: Oldest CMake that builds MLX extensions (MLX's CMake config requires it).
+MIN_CMAKE = (3, 27)
+#: Seconds a build (or a wait for another process's build) may take before it counts as failed.
+BUILD_TIMEOUT_S = 900
+#: The pip extra that brings the build tools.
+KERNELS_EXTRA = "pip install 'mlx-infer[kernels]'"
+#: The extension's module name (its PyInit symbol) and the sources it is built from.
+MODULE_NAME = "_cpu_kernels"
+SOURCE_PATTERNS = ("CMakeLists.txt", "*.h", "*.cpp")
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class _State:
+    """What this process knows about the extension of one build directory: the loaded module, or why
+    there is none (found once per directory; a process normally has one)."""
+
+    module: Optional[ModuleType] = None
+    reason: Optional[str] = None
+
+
+#: The extension found per build directory (a process normally uses one).
+_states: Dict[Path, _State] = {}
+#: The state in force, read from the environment on first use (None: not read yet; see refresh()).
+_current: Optional[_State] = None
+
+
+def source_dir() -> Optional[Path]:
+    """The extension's sources: mlx_infer/cpu_kernels in an installed package, else cpu_kernels/ in the
+    source tree beside the package; None when neither has them."""
+    for base in (_PACKAGE, _PACKAGE.parent):
+        path = base / "cpu_kernels"
+        if (path / "CMakeLists.txt").is_file():
+            return path
+    return None
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached: cache_dir()/kernels/<mlx version>-<python tag>-<arch>."""
+    tag = f"{mx.__version__}-{sys.implementation.cache_tag}-{platform.machine()}"
+    return cache_dir() / "kernels" / tag
+
+
+def module_path() -> Path:
+    """The built extension's file inside build_dir()."""
+    return build_dir() / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def _turned_off() -> bool:
+    return os.environ.get(KERNELS_ENV, "").strip().lower() in ("off", "0", "false", "no")
+
+
+def _cmake_version(cmake: str) -> Optional[Tuple[int, ...]]:
+    try:
+        out = subprocess.run([cmake, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def find_cmake() -> Optional[str]:
+    """A CMake >= MIN_CMAKE: the one pip installed beside this Python first, then PATH's; else None."""
+    candidates = [str(Path(sys.executable).parent / "cmake"), shutil.which("cmake")]
+    for cmake in candidates:
+        if cmake and os.access(cmake, os.X_OK):
+            version = _cmake_version(cmake)
+            if version is not None and version >= MIN_CMAKE:
+                return cmake
+    return None
+
+
+def find_compiler() -> Optional[str]:
+    """The C++ compiler CMake would use ($CXX, c++, g++ or clang++), or None."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        path = shutil.which(name) if name else None
+        if path:
+            return path
+    return None
+
+
+def missing_tools() -> Optional[str]:
+    """One line saying which build tool is missing and how to get it, or None when all are there."""
+    if source_dir() is None:
+        return "the CPU kernel sources are not installed (reinstall mlx-infer from its source)"
+    if find_compiler() is None:
+        return "no C++ compiler (install g++ or clang++, e.g. apt-get install g++)"
+    if shutil.which("make") is None and shutil.which("ninja") is None:
+        return "neither make nor ninja is installed (apt-get install make)"
+    if find_cmake() is None:
+        return f"CMake >= {MIN_CMAKE[0]}.{MIN_CMAKE[1]} is missing ({KERNELS_EXTRA})"
+    if importlib.util.find_spec("nanobind") is None:
+        return f"nanobind is missing ({KERNELS_EXTRA})"
+    return None
+
+
+def _nanobind_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("nanobind")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fingerprint() -> str:
+    """What a build depends on: the sources, MLX, this Python and nanobind (a change rebuilds). Cheap: no
+    tool is run, so finding a cached build costs milliseconds, and loading it needs no compiler."""
+    digest = hashlib.sha256()
+    src = source_dir()
+    for pattern in SOURCE_PATTERNS:
+        for path in sorted(src.glob(pattern)) if src else ():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    for part in (mx.__version__, sys.version, _nanobind_version()):
+        digest.update(str(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _run(cmd: list, log, cwd: Path) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=BUILD_TIMEOUT_S)
+
+
+def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
+    """Build the CPU kernels for this MLX and Python (once; later calls find them in the cache).
+
+    Args:
+        force: rebuild even when a build (or a recorded failure) for these sources exists.
+        quiet: no note on stderr while building.
+
+    Returns:
+        The path of the built extension module.
+
+    Raises:
+        MlxInferError: a build tool is missing, or the build failed (the reason, with the log's path,
+            is recorded in build_dir()/failed.json).
+    """
+    out = build_dir()
+    fingerprint = _fingerprint()
+    if not force and _read_json(out / "build.json").get("fingerprint") == fingerprint and module_path().is_file():
+        return module_path()  # built before: loading it needs none of the build tools
+    missing = missing_tools()
+    if missing:
+        raise MlxInferError(f"cannot build the CPU kernels: {missing}")
+    out.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(out / "build.lock"), timeout=BUILD_TIMEOUT_S):
+        info = _read_json(out / "build.json")
+        if not force and info.get("fingerprint") == fingerprint and module_path().is_file():
+            return module_path()  # another process built it while we waited
+        failed = _read_json(out / "failed.json")
+        if not force and failed.get("fingerprint") == fingerprint:
+            raise MlxInferError(failed.get("reason", "the CPU kernels failed to build"))
+        if not quiet:
+            print(f"mlx-infer: building the CPU kernels for MLX {mx.__version__} (once, about 20 s; "
+                  f"cached in {out})", file=sys.stderr, flush=True)
+        log_path = out / "build.log"
+        work = out / "build"
+        try:
+            with open(log_path, "w") as log:
+                generator = ["-G", "Ninja"] if shutil.which("make") is None else []
+                _run([find_cmake(), "-S", str(source_dir()), "-B", str(work), *generator,
+                      f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"], log, out)
+                _run([find_cmake(), "--build", str(work), "--parallel", str(os.cpu_count() or 1)], log, out)
+            built = next(work.glob(f"{MODULE_NAME}*{sysconfig.get_config_var('EXT_SUFFIX')}"))
+        except (OSError, subprocess.SubprocessError, StopIteration) as exc:
+            reason = (f"the CPU kernels failed to build ({type(exc).__name__}; log: {log_path}); "
+                      "retry with mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
+            _write_json(out / "failed.json", {"fingerprint": fingerprint, "reason": reason})
+            raise MlxInferError(reason) from exc
+        tmp = module_path().with_suffix(".tmp")
+        shutil.copy2(built, tmp)
+        tmp.replace(module_path())  # a process that loaded the old file keeps its own copy
+        (out / "failed.json").unlink(missing_ok=True)
+        _write_json(out / "build.json", {"fingerprint": fingerprint, "mlx": mx.__version__})
+    return module_path()
+
+
+def self_test(module: ModuleType) -> None:
+    """One tiny product through the built module, checked against its known value: a module built
+    against another MLX or nanobind ABI loads but fails at its first call. Raises RuntimeError, or the
+    call's TypeError / ValueError."""
+    w = mx.zeros((3, 8), dtype=mx.uint32)  # [N=3, K*4/32]: K = 64, all codes 0, so W = biases
+    scales, biases = mx.ones((3, 2)), mx.full((3, 2), 0.5)
+    y = module.qmm(mx.ones((2, 64)), w, scales, biases, 32, 4, stream=mx.cpu)  # each output: 64 * 0.5
+    if y.shape != (2, 3) or not mx.all(y == 32.0).item():
+        raise RuntimeError("a known product came out wrong")
+
+
+def _find() -> _State:
+    try:
+        path = build_cpu_kernels()
+        spec = importlib.util.spec_from_file_location(f"mlx_infer.kernels.{MODULE_NAME}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (MlxInferError, ImportError, OSError, filelock.Timeout) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return _State(reason=f"{reason}; the CPU path uses MLX's own ops")
+    try:
+        self_test(module)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return _State(reason=f"the CPU kernels in {path} were built but do not run ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); rebuild them with "
+                             "mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
+    return _State(module=module)
+
+
+def _load() -> _State:
+    global _current
+    if _current is None:
+        if _turned_off():
+            _current = _State(reason=f"turned off by {KERNELS_ENV}={os.environ[KERNELS_ENV]}")
+        else:
+            key = build_dir()
+            if key not in _states:
+                _states[key] = _find()
+            _current = _states[key]
+    return _current
+
+
+def refresh() -> None:
+    """Read the environment again at the next call ($MLX_INFER_KERNELS, the cache location): it is read
+    once per process, as the kernels are called on every matmul."""
+    global _current
+    _current = None
+
+
+def available() -> bool:
+    """Whether the CPU kernels can run (building them on the first call when needed)."""
+    return _load().module is not None
+
+
+def why_not() -> Optional[str]:
+    """None when the kernels are available, else one line: what is missing and how to get it."""
+    return _load().reason
+
+
+def _module() -> ModuleType:
+    module = (_current or _load()).module
+    if module is None:
+        raise RuntimeError(f"the mlx-infer CPU kernels are not available: {why_not()}")
+    return module
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: 'avx512', 'avx2', 'neon' or 'generic'.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+    """
+    return _module().isa()
+
+
+def num_threads() -> int:
+    """Threads a product is split over, the caller included ($MLX_INFER_KERNEL_THREADS, else one per
+    core).
+
+    Raises:
+        RuntimeError: the kernels are not available.
+    """
+    return _module().num_threads()
+
+
+def cpu_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+            bits: int) -> mx.array:
+    """y = x @ dequantize(w, scales, biases).T on the CPU kernel, reading each weight group once for all
+    rows (equals mx.quantized_matmul(..., transpose=True) up to float32 rounding).
+
+    Args:
+        x: [M, K] float32, float16 or bfloat16 (any strides).
+        w: [N, K * bits / 32] uint32, MLX's affine packing (value j of a word in bits [bits*j, bits*j+bits)).
+        scales, biases: [N, K / group_size], float32/float16/bfloat16 (usually x's dtype).
+        group_size: 32, 64 or 128.
+        bits: 4 or 8.
+
+    Returns:
+        y [M, N] in promote_types(x.dtype, scales.dtype), accumulated in float32; on the CPU stream.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: shapes, dtypes, bits or group size the kernel does not take.
+    """
+    return _module().qmm(x, w, scales, biases, group_size, bits, stream=mx.cpu)
+
+
+def cpu_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """The weight as float32 [N, K] (w [N, K * bits / 32] uint32, scales / biases [N, K / group_size]),
+    dequantized on the CPU kernel's threads: the wide (prefill) path's one dequantization.
+
+    Raises:
+        RuntimeError: the kernels are not available.
+        ValueError: shapes, dtypes, bits or group size the kernel does not take.
+    """
+    return _module().dequantize_f32(w, scales, biases, group_size, bits, stream=mx.cpu)

@@ -1,0 +1,131 @@
+"""The kernel layer's quantized matmul: `qmm` picks the Metal, CUDA or CPU kernel, or the pure-mx
+reference, by the default device and what is available, and takes a wide path for prefill.
+
+    y = qmm(x, w, scales, biases, group_size, bits)
+      == mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+Skinny products (at most QMM_MAX_ROWS rows: decode, verify widths, block drafts) run on a kernel that
+reads each weight group once for all rows (MLX's CPU quantized matmul is a plain loop: a 16-row product
+costs 16x a 1-row one). Wider products (prefill) never fall back to that loop: on the CPU the weight is
+dequantized once (in tiles of WIDE_TILE_ROWS rows, bounding the float32 temporary) and multiplied by
+BLAS, so keeping weights quantized costs no prefill speed; on a GPU MLX's own quantized matmul runs.
+"""
+
+import math
+
+import mlx.core as mx
+
+from . import cpu
+from .gpu_qmm import QMM_MAX_ROWS, cuda_available, cuda_qmm, metal_available, metal_qmm
+
+#: Weight rows dequantized at a time by the CPU wide path (8192 x K float32: 19 MB at K = 576).
+WIDE_TILE_ROWS = 8192
+
+__all__ = ["QMM_MAX_ROWS", "WIDE_TILE_ROWS", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
+
+
+def qmm_backend() -> str:
+    """Which implementation `qmm` runs for skinny products here: 'metal', 'cuda', 'cpu-avx512',
+    'cpu-avx2', 'cpu-neon', 'cpu-generic' or 'reference' (MLX's own mx.quantized_matmul). On the CPU
+    the first call may build the CPU kernels (see mlx_infer.kernels.cpu)."""
+    if mx.default_device() == mx.gpu:
+        if metal_available():
+            return "metal"
+        if cuda_available():
+            return "cuda"
+        return "reference"
+    return f"cpu-{cpu.isa()}" if cpu.available() else "reference"
+
+
+def reference_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                  bits: int) -> mx.array:
+    """The pure-mx oracle: mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)."""
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+def result_dtype(x_dtype: mx.Dtype, scales_dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype of qmm's result, as mx.quantized_matmul promotes: the common dtype of x and scales
+    (for float32 / float16 / bfloat16: the dtype itself when they match, else float32)."""
+    return x_dtype if x_dtype == scales_dtype else mx.float32
+
+
+def _gpu_operands(x: mx.array, scales: mx.array, biases: mx.array):
+    """scales / biases in x's dtype for the GPU kernels (which take them so), when that cast is exact
+    (same dtype, or float16 / bfloat16 to float32); else None (the reference runs)."""
+    if scales.dtype == x.dtype:
+        return scales, biases
+    if result_dtype(x.dtype, scales.dtype) == x.dtype:
+        return scales.astype(x.dtype), biases.astype(x.dtype)
+    return None
+
+
+def _skinny(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+            bits: int) -> mx.array:
+    """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on the best kernel available."""
+    if mx.default_device() == mx.gpu:
+        operands = _gpu_operands(x, scales, biases)
+        if operands is not None and metal_available():
+            return metal_qmm(x, w, *operands, group_size, bits)
+        if operands is not None and cuda_available():
+            return cuda_qmm(x, w, *operands, group_size, bits)
+        return reference_qmm(x, w, scales, biases, group_size, bits)
+    if cpu.available():
+        return cpu.cpu_qmm(x, w, scales, biases, group_size, bits)
+    return reference_qmm(x, w, scales, biases, group_size, bits)
+
+
+def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+             bits: int) -> mx.array:
+    """The prefill path: x [M, K] (any M) -> y [M, N] in promote_types(x, scales), accumulated in float32.
+
+    On the CPU the weight is dequantized to float32 once per call, WIDE_TILE_ROWS rows at a time (by the
+    CPU kernels when available, else by mx.dequantize), and multiplied by the float matmul (BLAS); on a
+    GPU MLX's quantized matmul runs.
+    """
+    out_dtype = result_dtype(x.dtype, scales.dtype)
+    if mx.default_device() == mx.gpu:
+        return reference_qmm(x, w, scales, biases, group_size, bits)
+    xf = x.astype(mx.float32)  # [M, K]
+    use_kernel = cpu.available()
+    tiles = []
+    for n0 in range(0, w.shape[0], WIDE_TILE_ROWS):
+        rows = slice(n0, n0 + WIDE_TILE_ROWS)
+        if use_kernel:
+            wf = cpu.cpu_dequantize(w[rows], scales[rows], biases[rows], group_size, bits)  # [T, K]
+        else:
+            wf = mx.dequantize(w[rows], scales[rows].astype(mx.float32), biases[rows].astype(mx.float32),
+                               group_size=group_size, bits=bits)
+        tiles.append(xf @ wf.T)  # [M, T]
+    y = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=1)  # [M, N]
+    return y.astype(out_dtype)
+
+
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """y = x @ dequantize(w, scales, biases).T for MLX's affine quantization, on the best path here.
+
+    Args:
+        x: [..., K] float32, float16 or bfloat16; the leading axes are flattened into M rows.
+        w: [N, K * bits / 32] uint32 (value j of a word in bits [bits*j, bits*j + bits)).
+        scales, biases: [N, K / group_size] float32 / float16 / bfloat16.
+        group_size: 32, 64 or 128.
+        bits: 4 or 8.
+
+    Returns:
+        y [..., N] in promote_types(x.dtype, scales.dtype), as mx.quantized_matmul(..., transpose=True)
+        up to float32 rounding: M <= QMM_MAX_ROWS runs the skinny kernel of qmm_backend(), more rows the
+        wide path (wide_qmm).
+
+    Raises:
+        ValueError (MlxInferError from the GPU kernels): shapes, dtypes, bits or group size the kernels
+            do not take.
+    """
+    shape = x.shape
+    rows = math.prod(shape[:-1])
+    if rows == 0:  # nothing to multiply; MLX's op gives the empty result's shape and dtype
+        return reference_qmm(x, w, scales, biases, group_size, bits)
+    x2 = x if len(shape) == 2 else x.reshape(rows, shape[-1])  # [M, K]
+    if rows <= QMM_MAX_ROWS:
+        y = _skinny(x2, w, scales, biases, group_size, bits)
+    else:
+        y = wide_qmm(x2, w, scales, biases, group_size, bits)
+    return y if len(shape) == 2 else y.reshape(*shape[:-1], w.shape[0])  # [..., N]

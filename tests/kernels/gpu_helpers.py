@@ -1,0 +1,469 @@
+"""Helpers of the GPU kernel tests (no GPU needed): the golden Metal source MLX generates, compiled against
+metal_kernels/host/metal_shim.h and run under the Metal execution-model emulator (metal_emu.h); the CUDA
+source in the form `mx.fast.cuda_kernel` builds it, compiled with nvcc; numpy oracles of MLX's affine
+quantization.
+
+Golden source: on an MLX without Metal, calling an `mx.fast.metal_kernel` object with verbose=True inside
+`mx.export_function` tracing prints the Metal source MLX would compile (signature, template and
+host_name instantiation included) to the C++ stdout; it is captured at the file-descriptor level.
+"""
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+METAL_HOST = REPO / "metal_kernels" / "host"
+CUDA_HOST = REPO / "cuda_kernels" / "host"
+
+#: Thread attributes Metal passes as kernel arguments (the names MLX recognizes in a body).
+METAL_THREAD_ATTRIBUTES = frozenset({
+    "dispatch_quadgroups_per_threadgroup", "dispatch_simdgroups_per_threadgroup",
+    "dispatch_threads_per_threadgroup", "grid_origin", "grid_size", "quadgroup_index_in_threadgroup",
+    "quadgroups_per_threadgroup", "simdgroup_index_in_threadgroup", "simdgroups_per_threadgroup",
+    "thread_execution_width", "thread_index_in_quadgroup", "thread_index_in_simdgroup",
+    "thread_index_in_threadgroup", "thread_position_in_grid", "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid", "threadgroups_per_grid", "threads_per_grid", "threads_per_simdgroup",
+    "threads_per_threadgroup"})
+
+#: g++ flags of the shim compiles: unknown ([[kernel]], [[buffer(i)]], ...) attributes are Metal's.
+SHIM_FLAGS = ("-std=c++17", "-Wall", "-Werror", "-Wno-attributes", "-Wno-unknown-pragmas", "-Wno-unused-variable",
+              "-Wno-unused-but-set-variable")
+EMU_FLAGS = ("-std=c++17", "-O1", "-pthread", "-Wno-attributes", "-Wno-unknown-pragmas")
+
+#: Where emulator builds are kept between runs, keyed by a hash of everything that goes into them.
+EMU_CACHE = Path(os.environ.get("MLX_INFER_EMU_CACHE", Path(tempfile.gettempdir()) / "mlx-infer-metal-emu"))
+
+_BANNER = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```\n", re.S)
+_PARAM = re.compile(r"^\s*(?P<type>.+?)\s*(?P<name>\w+)\s*\[\[(?P<attr>[^\]]+)\]\],?\s*$")
+
+
+@dataclass(frozen=True)
+class MetalParam:
+    """One parameter of a generated kernel: its type text, name and attribute ('buffer(2)' or a thread
+    attribute name)."""
+
+    type: str
+    name: str
+    attr: str
+
+    @property
+    def is_buffer(self) -> bool:
+        return self.attr.startswith("buffer(")
+
+
+@dataclass(frozen=True)
+class GoldenKernel:
+    """A kernel as MLX generated it: the full Metal source, its host name, the template declaration and the
+    template arguments of its instantiation ("<float, 3>"; both "" for a kernel without template), and its
+    parameters in signature order."""
+
+    name: str
+    source: str
+    template_decl: str
+    template_args: str
+    params: Tuple[MetalParam, ...]
+
+
+def capture_fd_stdout(fn: Callable[[], None]) -> str:
+    """Run fn with file descriptor 1 redirected to a temporary file; return what was written there
+    (C++ std::cout included)."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            fn()
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        return tmp.read().decode()
+
+
+def parse_golden(source: str) -> GoldenKernel:
+    """Split a generated Metal source into host name, template declaration, parameters and instantiation."""
+    head = re.search(r"(template <[^\n]*>\n)?\[\[kernel\]\] void (\w+)\(\n(.*?)\) \{\n", source, re.S)
+    if head is None:
+        raise AssertionError(f"no kernel signature in the generated source:\n{source[:2000]}")
+    name = head.group(2)
+    params = []
+    for line in head.group(3).split("\n"):
+        m = _PARAM.match(line)
+        if m is None:
+            raise AssertionError(f"unparsed parameter line {line!r} of {name}")
+        params.append(MetalParam(m.group("type"), m.group("name"), m.group("attr")))
+    template_decl, template_args = (head.group(1) or "").strip(), ""
+    if template_decl:
+        inst = re.search(r"decltype\(" + re.escape(name) + r"<(.*?)>\) " + re.escape(name) + "<", source)
+        if inst is None:
+            raise AssertionError(f"no host_name instantiation of the template kernel {name}")
+        template_args = f"<{inst.group(1)}>"
+    return GoldenKernel(name=name, source=source, template_decl=template_decl, template_args=template_args,
+                        params=tuple(params))
+
+
+def golden_metal_sources(calls: Sequence[Callable[[], mx.array]]) -> List[GoldenKernel]:
+    """The Metal sources MLX generates for kernel calls (each a callable that calls an mx.fast.metal_kernel
+    object with verbose=True and returns its output), traced in one mx.export_function; one GoldenKernel
+    per distinct kernel name, in call order."""
+    def traced(_):
+        return [call() for call in calls]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "golden.mlxfn")
+        text = capture_fd_stdout(lambda: mx.export_function(path, traced, mx.zeros((1,))))
+    kernels: Dict[str, GoldenKernel] = {}
+    for _, source in _BANNER.findall(text):
+        kernel = parse_golden(source)
+        kernels.setdefault(kernel.name, kernel)
+    return list(kernels.values())
+
+
+def compile_shim_syntax(kernels: Sequence[GoldenKernel], workdir: Path) -> subprocess.CompletedProcess:
+    """g++ -fsyntax-only of the golden sources (every instantiation) against metal_shim.h."""
+    tu = workdir / "golden_syntax.cpp"
+    tu.write_text('#include "metal_shim.h"\n#include "metal_poison.h"\n' +
+                  "\n".join(k.source for k in kernels))
+    return subprocess.run(["g++", *SHIM_FLAGS, "-fsyntax-only", "-I", str(METAL_HOST), str(tu)],
+                          capture_output=True, text=True)
+
+
+def _declaration(k: GoldenKernel) -> str:
+    params = ",\n  ".join(f"{p.type} {p.name}" for p in k.params)
+    return f"{k.template_decl}\nvoid {k.name}(\n  {params});\n".lstrip()
+
+
+def _launcher(k: GoldenKernel, index: int) -> str:
+    args = []
+    b = 0
+    for p in k.params:
+        if p.is_buffer:
+            args.append(f"({p.type})bufs[{b}]")
+            b += 1
+        elif p.attr in METAL_THREAD_ATTRIBUTES and p.attr == p.name:
+            args.append(f"t.{p.name}")
+        else:
+            raise AssertionError(f"{k.name}: parameter {p.name} [[{p.attr}]] is not emulated")
+    call = f"{k.name}{k.template_args}(" + ", ".join(args) + ");"
+    return (f"static std::string run_{index}(void** bufs, uint3 grid, uint3 tg, int workers) {{\n"
+            f"  return emu::launch(grid, tg, [=](const emu::ThreadAttrs& t) {{ {call} }}, workers);\n}}\n")
+
+
+_EMU_MAIN = r"""
+#include <cstdio>
+#include <fstream>
+#include <sys/mman.h>
+
+// A buffer whose last byte sits right before a PROT_NONE page: reads or writes past its end fault.
+static void* guarded(size_t nbytes) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t pages = (nbytes + page - 1) / page + 1;
+  char* base = static_cast<char*>(mmap(nullptr, (pages + 1) * page, PROT_READ | PROT_WRITE,
+                                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  mprotect(base + pages * page, page, PROT_NONE);
+  return base + pages * page - nbytes;
+}
+
+// usage: emu NAME GX GY GZ TX TY TZ WORKERS (i|o):PATH:NBYTES ...
+int main(int argc, char** argv) {
+  if (argc < 9) { std::fprintf(stderr, "usage: emu NAME GX GY GZ TX TY TZ WORKERS BUFFERS...\n"); return 2; }
+  const std::string name = argv[1];
+  const uint3 grid = {uint(std::stoul(argv[2])), uint(std::stoul(argv[3])), uint(std::stoul(argv[4]))};
+  const uint3 tg = {uint(std::stoul(argv[5])), uint(std::stoul(argv[6])), uint(std::stoul(argv[7]))};
+  const int workers = std::stoi(argv[8]);
+  std::vector<void*> bufs;
+  std::vector<std::pair<std::string, size_t>> outs;
+  std::vector<void*> out_ptrs;
+  for (int i = 9; i < argc; ++i) {
+    const std::string spec = argv[i];
+    const size_t a = spec.find(':'), b = spec.rfind(':');
+    const std::string path = spec.substr(a + 1, b - a - 1);
+    const size_t nbytes = std::stoul(spec.substr(b + 1));
+    void* p = guarded(nbytes);
+    if (spec[0] == 'i') {
+      std::ifstream f(path, std::ios::binary);
+      f.read(static_cast<char*>(p), std::streamsize(nbytes));
+      if (size_t(f.gcount()) != nbytes) { std::fprintf(stderr, "short read of %s\n", path.c_str()); return 2; }
+    } else {
+      std::memset(p, 0xff, nbytes);  // NaN for float outputs: an element never written shows up
+      outs.emplace_back(path, nbytes);
+      out_ptrs.push_back(p);
+    }
+    bufs.push_back(p);
+  }
+  for (int i = 0; i < kInstances; ++i) {
+    if (name == kNames[i]) {
+      const std::string err = kRuns[i](bufs.data(), grid, tg, workers);
+      if (!err.empty()) { std::fprintf(stderr, "emulation error: %s\n", err.c_str()); return 3; }
+      for (size_t o = 0; o < outs.size(); ++o) {
+        std::ofstream f(outs[o].first, std::ios::binary);
+        f.write(static_cast<const char*>(out_ptrs[o]), std::streamsize(outs[o].second));
+      }
+      return 0;
+    }
+  }
+  std::fprintf(stderr, "no kernel %s in this emulator\n", name.c_str());
+  return 2;
+}
+"""
+
+
+def build_emulator(kernels: Sequence[GoldenKernel], jobs: int = 2) -> Path:
+    """An executable that runs the golden kernels under metal_emu.h (cached by content hash).
+
+    The golden sources are split over `jobs` translation units (each: metal_emu.h, metal_poison.h, the
+    sources) compiled in parallel; the launchers, in their own unit, see only the kernels' declarations.
+    """
+    kernels = list(kernels)
+    chunks = [kernels[i::jobs] for i in range(jobs) if kernels[i::jobs]]
+    units = {f"kernels_{i}.cpp": '#include "metal_emu.h"\n#include "metal_poison.h"\n' +
+             "\n".join(k.source for k in chunk) for i, chunk in enumerate(chunks)}
+    launch = ['#include "metal_emu.h"\n'] + [_declaration(k) for k in kernels]
+    launch += [_launcher(k, i) for i, k in enumerate(kernels)]
+    launch.append(f"static const int kInstances = {len(kernels)};\n")
+    launch.append("static const char* kNames[] = {" + ", ".join(f'"{k.name}"' for k in kernels) + "};\n")
+    launch.append("static std::string (*kRuns[])(void**, uint3, uint3, int) = {" +
+                  ", ".join(f"run_{i}" for i in range(len(kernels))) + "};\n")
+    units["launch.cpp"] = "".join(launch) + _EMU_MAIN
+    digest = hashlib.sha256()
+    for header in sorted(METAL_HOST.glob("*.h")):
+        digest.update(header.read_bytes())
+    for name in sorted(units):
+        digest.update(name.encode() + units[name].encode())
+    digest.update(" ".join(EMU_FLAGS).encode())
+    out = EMU_CACHE / digest.hexdigest()[:20]
+    exe = out / "emu"
+    if exe.exists():
+        return exe
+    build = Path(tempfile.mkdtemp(prefix="build-", dir=_ensure(EMU_CACHE)))
+    procs = []
+    for name, text in units.items():
+        (build / name).write_text(text)
+        procs.append(subprocess.Popen(["g++", *EMU_FLAGS, "-I", str(METAL_HOST), "-c", name, "-o", name + ".o"],
+                                      cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate()[0] for p in procs]
+    failed = [log for p, log in zip(procs, logs) if p.returncode != 0]
+    if failed:
+        raise AssertionError("emulator build failed:\n" + "\n".join(log[-6000:] for log in failed))
+    objects = [name + ".o" for name in units]
+    subprocess.run(["g++", "-pthread", *objects, "-o", "emu"], cwd=build, check=True)
+    if out.exists():
+        shutil.rmtree(build, ignore_errors=True)
+    else:
+        os.replace(build, out)
+    return exe
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_emulated(exe: Path, kernel: GoldenKernel, inputs: Dict[str, np.ndarray],
+                 outputs: Dict[str, Tuple[Tuple[int, ...], np.dtype]], grid: Sequence[int],
+                 threadgroup: Sequence[int], workers: int = 2) -> Dict[str, np.ndarray]:
+    """Run one emulated kernel: inputs by name (raw bytes, in the buffer order of the signature), outputs
+    by name (shape, numpy dtype; bfloat16 as uint16). Raises AssertionError with the emulator's message."""
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = []
+        for p in kernel.params:
+            if not p.is_buffer:
+                continue
+            if p.name in inputs:
+                data = np.ascontiguousarray(inputs[p.name])
+                path = os.path.join(tmp, p.name + ".in")
+                data.tofile(path)
+                specs.append(f"i:{path}:{data.nbytes}")
+            elif p.name in outputs:
+                shape, dtype = outputs[p.name]
+                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                specs.append(f"o:{os.path.join(tmp, p.name + '.out')}:{nbytes}")
+            else:
+                raise AssertionError(f"no data for buffer {p.name} of {kernel.name}")
+        cmd = [str(exe), kernel.name, *map(str, grid), *map(str, threadgroup), str(workers), *specs]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode < 0:
+            raise AssertionError(f"emulated {kernel.name} killed by signal {-proc.returncode} (an access past the "
+                                 f"end of a buffer faults on its guard page) {proc.stderr.strip()}")
+        if proc.returncode != 0:
+            raise AssertionError(f"emulated {kernel.name} failed (rc {proc.returncode}): {proc.stderr.strip()}")
+        return {name: np.fromfile(os.path.join(tmp, name + ".out"), dtype=dtype).reshape(shape)
+                for name, (shape, dtype) in outputs.items()}
+
+
+# --- data and oracles -------------------------------------------------------------------------------
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """An mx.array as numpy: bfloat16 as its uint16 bit patterns, everything else as itself."""
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16))
+    return np.array(a)
+
+
+def as_float64(a: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """Values of a numpy array holding `dtype` data (bfloat16 as uint16 bits) as float64."""
+    if dtype == mx.bfloat16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class QmmCase:
+    """Operands of one qmm check: x [M, K], w [N, K*bits/32] uint32, scales / biases [N, K/gs] in x's dtype."""
+
+    x: mx.array
+    w: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+    bits: int
+
+
+def random_case(rows: int, k: int, n: int, group_size: int, bits: int, dtype: mx.Dtype, seed: int) -> QmmCase:
+    """Random operands: packed words uniform over all bit patterns (every quantized value occurs), scales
+    and biases of either sign, x standard normal; all exactly representable in dtype."""
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.integers(0, 2 ** 32, size=(n, k * bits // 32), dtype=np.uint64).astype(np.uint32))
+    groups = k // group_size
+    scales = mx.array(rng.uniform(-0.05, 0.05, size=(n, groups)).astype(np.float32)).astype(dtype)
+    biases = mx.array(rng.uniform(-0.5, 0.5, size=(n, groups)).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+    return QmmCase(x, w, scales, biases, group_size, bits)
+
+
+def oracle(case: QmmCase) -> Tuple[np.ndarray, np.ndarray]:
+    """(y, bound): y [M, N] float64 from MLX's own dequantization (in float32, from the same operands) times
+    x in float64; bound [M, N] = |W| @ |x|, the scale of float32 accumulation error."""
+    weights = mx.dequantize(case.w, case.scales.astype(mx.float32), case.biases.astype(mx.float32),
+                            group_size=case.group_size, bits=case.bits)
+    wd = np.array(weights).astype(np.float64)   # [N, K]
+    xd = np.array(case.x.astype(mx.float32)).astype(np.float64)  # [M, K]
+    return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+
+
+#: Relative rounding unit of each output dtype.
+OUTPUT_EPS = {mx.float32: 2.0 ** -24, mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8}
+#: Float32 accumulation error allowed, relative to |W| @ |x| (K <= a few thousand terms).
+ACCUMULATION_RTOL = 1e-5
+
+
+#: Absolute slack for outputs near zero: half the smallest subnormal step of float16 (2^-24).
+OUTPUT_ATOL = 2.0 ** -25
+
+
+def _allowed(ref: np.ndarray, bound: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    eps = OUTPUT_EPS[dtype]
+    return (1 + eps) * ACCUMULATION_RTOL * bound + eps * np.abs(ref) + OUTPUT_ATOL
+
+
+def assert_close_to_oracle(y: np.ndarray, case: QmmCase, label: str) -> None:
+    """y (numpy, in x's dtype; bfloat16 as uint16) within float32 accumulation error plus one rounding of
+    the output dtype of the float64 oracle, elementwise."""
+    ref, bound = oracle(case)
+    got = as_float64(y, case.x.dtype)
+    allowed = _allowed(ref, bound, case.x.dtype)
+    err = np.abs(got - ref)
+    bad = ~(err <= allowed)  # NaN counts as bad
+    assert not bad.any(), (f"{label}: {int(bad.sum())} of {bad.size} outputs off; worst error "
+                           f"{float(np.nanmax(err / allowed)):.3g}x the allowed bound; first at "
+                           f"{np.argwhere(bad)[0].tolist()}: got {got[bad][0]!r}, want {ref[bad][0]!r}")
+
+
+def max_error_ratio(y: np.ndarray, case: QmmCase) -> float:
+    """The largest |y - oracle| / allowed bound (inf where y is NaN): > 1 means assert_close_to_oracle fails."""
+    ref, bound = oracle(case)
+    got = as_float64(y, case.x.dtype)
+    allowed = _allowed(ref, bound, case.x.dtype)
+    ratio = np.abs(got - ref) / allowed
+    return float("inf") if np.isnan(ratio).any() else float(ratio.max())
+
+
+def gxx() -> Optional[str]:
+    """Path of g++, or None."""
+    return shutil.which("g++")
+
+
+#: Why the emulator cannot run here, or None: it needs g++ and glibc's ucontext fibers (Linux).
+EMULATOR_MISSING = ("needs g++" if gxx() is None else
+                    "the emulator's fibers are Linux ucontext" if not sys.platform.startswith("linux") else None)
+
+
+def nvcc() -> Optional[str]:
+    """Path of nvcc, or None."""
+    return shutil.which("nvcc")
+
+
+# --- the CUDA source, as mx.fast.cuda_kernel builds it --------------------------------------------------
+
+#: dtype -> the CUDA type MLX's dtype_to_cuda_type names.
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t",
+              mx.int32: "int32_t", mx.uint16: "uint16_t", mx.uint8: "uint8_t", mx.bool_: "bool"}
+#: dtype -> MLX's get_type_string, used in kernel names.
+MLX_TYPE_NAMES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.uint32: "uint32_t",
+                  mx.int32: "int32_t", mx.uint16: "uint16_t", mx.uint8: "uint8_t", mx.bool_: "bool"}
+#: MLX's CUDA default header, put before a custom kernel's own header.
+CUDA_DEFAULT_HEADER = ('\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+                       "#define inf cuda::std::numeric_limits<float>::infinity()\n\n")
+
+
+def cuda_kernel_name(name: str, template: Sequence[Tuple[str, object]]) -> str:
+    """custom_kernel_<name> plus MLX's hash of the template arguments (_<int>, _t / _f, _<dtype>)."""
+    parts = []
+    for _, value in template:
+        if isinstance(value, bool):
+            parts.append("_t" if value else "_f")
+        elif isinstance(value, int):
+            parts.append(f"_{value}")
+        else:
+            parts.append("_" + MLX_TYPE_NAMES[value])
+    return f"custom_kernel_{name}" + "".join(parts)
+
+
+def mlx_cuda_source(name: str, header: str, body: str, inputs: Sequence[Tuple[str, mx.Dtype]],
+                    outputs: Sequence[Tuple[str, mx.Dtype]], template: Sequence[Tuple[str, object]]) -> str:
+    """The source `mx.fast.cuda_kernel` (MLX 0.32, backend/cuda/custom_kernel.cpp build_kernel) compiles for a
+    kernel: default header, the kernel's header, then in namespace mlx::core::cu a __global__ function with
+    `const T* input` / `T* output` parameters, the template constants as constexpr / using declarations, and
+    the body. (Shape / stride parameters, which MLX adds when a body names `<input>_shape`, are not needed
+    by the bodies here: their use raises.)"""
+    for in_name, _ in inputs:
+        if any(f"{in_name}_{suffix}" in body for suffix in ("shape", "strides", "ndim")):
+            raise NotImplementedError(f"{in_name}_shape / _strides / _ndim parameters are not reproduced")
+    params = [f"    const {CUDA_TYPES[dtype]}* {n}" for n, dtype in inputs]
+    params += [f"    {CUDA_TYPES[dtype]}* {n}" for n, dtype in outputs]
+    constants = []
+    for const_name, value in template:
+        if isinstance(value, bool):
+            constants.append(f"  constexpr bool {const_name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, int):
+            constants.append(f"  constexpr int {const_name} = {value};\n")
+        else:
+            constants.append(f"  using {const_name} = {CUDA_TYPES[value]};\n")
+    return (CUDA_DEFAULT_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            f"__global__ void {cuda_kernel_name(name, template)}(\n" + ",\n".join(params) + ") {\n" +
+            "".join(constants) + ("\n" if constants else "") + body + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def nvcc_compile(source: str, workdir: Path, stem: str, arch: str = "sm_90") -> subprocess.CompletedProcess:
+    """nvcc -arch=<arch> -c of a CUDA source against the stand-in MLX device header (cuda_kernels/host);
+    -Xptxas -v reports registers and spills on stderr."""
+    path = workdir / f"{stem}.cu"
+    path.write_text(source)
+    return subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-Werror", "all-warnings",
+                           "-I", str(CUDA_HOST), "-c", str(path), "-o", str(workdir / f"{stem}.o")],
+                          capture_output=True, text=True)

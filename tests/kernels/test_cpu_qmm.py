@@ -1,0 +1,175 @@
+"""The CPU kernel (mlx_infer.kernels.cpu.cpu_qmm) against the float32 oracle: every bits / group size /
+dtype, M = 1..16, odd N, the default model's shapes, strided x, mixed dtypes, bad operands.
+
+Tolerance: the kernel and the oracle both dequantize in float32 and accumulate in float32, in different
+orders, so an output may differ by a few float32 roundings of the terms' total size:
+|y - ref| <= FLOAT32_TOL * (|x| @ |W|.T). float16 / bfloat16 outputs add one rounding of y to that type:
+<= eps(dtype) * |ref| on top.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from qmm_helpers import magnitude, oracle, quantized
+
+
+def cpu_flags() -> set:
+    """Feature flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+FLOAT32_TOL = 1e-5
+EPS = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def assert_close(y, x, w, scales, biases, group_size, bits):
+    ref = oracle(x, w, scales, biases, group_size, bits)
+    size = magnitude(x, w, scales, biases, group_size, bits)
+    err = mx.abs(y.astype(mx.float32) - ref)
+    bound = FLOAT32_TOL * size + EPS[y.dtype] * mx.abs(ref)
+    worst = mx.max(err - bound).item()
+    assert worst <= 0, f"max error over the bound by {worst:.3g} (max error {mx.max(err).item():.3g})"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+def test_every_row_count_matches_the_oracle(cpu_kernels, bits, group_size, dtype):
+    n, k = 37, 256  # odd N: the last row block is partial
+    w, scales, biases = quantized(n, k, group_size, bits, dtype, seed=bits * group_size)
+    for m in range(1, 17):
+        x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
+        y = cpu_kernels.cpu_qmm(x, w, scales, biases, group_size, bits)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert_close(y, x, w, scales, biases, group_size, bits)
+
+
+@pytest.mark.parametrize("k,n,bits", [(576, 576, 4), (576, 192, 4), (576, 1536, 4), (1536, 576, 4),
+                                      (576, 49152, 8), (576, 49152, 4)])
+def test_default_model_shapes(cpu_kernels, k, n, bits):
+    w, scales, biases = quantized(n, k, 32, bits, mx.float16, seed=k + n)  # float16 scales, as the GGUF model
+    for m in (1, 2, 5, 9, 16):
+        x = mx.random.normal((m, k), key=mx.random.key(100 + m))
+        y = cpu_kernels.cpu_qmm(x, w, scales, biases, 32, bits)
+        assert y.dtype == mx.float32  # float32 x with float16 scales: float32, as mx.quantized_matmul
+        assert_close(y, x, w, scales, biases, 32, bits)
+
+
+def test_matches_mlx_quantized_matmul(cpu_kernels):
+    """Against MLX's own op (the model's reference path) as well as the float32 oracle."""
+    w, scales, biases = quantized(301, 576, 32, 4, mx.float32, seed=7)
+    x = mx.random.normal((9, 576), key=mx.random.key(3))
+    y = cpu_kernels.cpu_qmm(x, w, scales, biases, 32, 4)
+    ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=4)
+    size = magnitude(x, w, scales, biases, 32, 4)
+    assert mx.all(mx.abs(y - ref) <= FLOAT32_TOL * size).item()
+
+
+def test_strided_and_broadcast_x(cpu_kernels):
+    w, scales, biases = quantized(64, 128, 32, 4, mx.float32, seed=1)
+    base = mx.random.normal((128, 6), key=mx.random.key(2))
+    x = base.T  # [6, 128], column-major view
+    y = cpu_kernels.cpu_qmm(x, w, scales, biases, 32, 4)
+    assert_close(y, x, w, scales, biases, 32, 4)
+    row = mx.random.normal((1, 128), key=mx.random.key(4))
+    xb = mx.broadcast_to(row, (3, 128))  # stride 0 over rows
+    yb = cpu_kernels.cpu_qmm(xb, w, scales, biases, 32, 4)
+    assert_close(yb, xb, w, scales, biases, 32, 4)
+    assert mx.array_equal(yb[0], yb[2]).item()
+
+
+def test_sliced_weight_rows(cpu_kernels):
+    """A lazy slice of the weight rows (what the wide path's tiles pass) is made contiguous first."""
+    w, scales, biases = quantized(100, 128, 64, 8, mx.float32, seed=5)
+    x = mx.random.normal((4, 128), key=mx.random.key(6))
+    y = cpu_kernels.cpu_qmm(x, w[10:50], scales[10:50], biases[10:50], 64, 8)
+    assert_close(y, x, w[10:50], scales[10:50], biases[10:50], 64, 8)
+
+
+def test_dequantize_is_exact(cpu_kernels):
+    for bits, group_size in ((4, 32), (8, 128)):
+        w, scales, biases = quantized(33, 256, group_size, bits, mx.float16, seed=bits)
+        wf = cpu_kernels.cpu_dequantize(w, scales, biases, group_size, bits)
+        ref = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                            bits=bits)
+        # one fma against mx's multiply-then-add: at most one float32 rounding apart
+        np.testing.assert_allclose(np.array(wf), np.array(ref), rtol=2**-23, atol=1e-7)
+
+
+def test_bad_operands_are_refused(cpu_kernels):
+    w, scales, biases = quantized(16, 64, 32, 4)
+    x = mx.zeros((2, 64))
+    with pytest.raises(ValueError, match="bits"):
+        cpu_kernels.cpu_qmm(x, w, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_kernels.cpu_qmm(x, w, scales, biases, 16, 4)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_kernels.cpu_qmm(mx.zeros((2, 32)), w, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="scales"):
+        cpu_kernels.cpu_qmm(x, w, scales[:, :1], biases, 32, 4)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        cpu_kernels.cpu_qmm(x.astype(mx.int32), w, scales, biases, 32, 4)
+
+
+def test_instruction_set_and_threads(cpu_kernels):
+    flags = cpu_flags()
+    expected = ("avx512" if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+                else "avx2" if {"avx2", "fma"} <= flags else None)
+    if expected:
+        assert cpu_kernels.isa() == expected
+    assert cpu_kernels.num_threads() >= 1
+
+
+#: Run in a fresh process with MLX_INFER_KERNEL_ISA set (the variant is chosen once per process): every
+#: bits / group size / dtype and rows 1..16 against the float32 oracle, with the bound of assert_close.
+VARIANT_CHECK = textwrap.dedent("""
+    import sys
+    import mlx_infer
+    import mlx.core as mx
+    from mlx_infer.kernels import cpu
+    sys.path.insert(0, sys.argv[1])
+    from qmm_helpers import magnitude, oracle, quantized
+    assert cpu.isa() == sys.argv[2], cpu.isa()
+    eps = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+    worst = -1.0
+    for bits in (4, 8):
+        for gs in (32, 64, 128):
+            for dt in (mx.float32, mx.float16, mx.bfloat16):
+                w, s, b = quantized(37, 256, gs, bits, dt, seed=gs + bits)
+                for m in range(1, 17):
+                    x = mx.random.normal((m, 256), key=mx.random.key(m)).astype(dt)
+                    y = cpu.cpu_qmm(x, w, s, b, gs, bits)
+                    ref = oracle(x, w, s, b, gs, bits)
+                    bound = 1e-5 * magnitude(x, w, s, b, gs, bits) + eps[dt] * mx.abs(ref)
+                    worst = max(worst, mx.max(mx.abs(y.astype(mx.float32) - ref) - bound).item())
+    print(worst)
+    assert worst <= 0, worst
+""")
+
+
+@pytest.mark.parametrize("variant", ["avx2", "generic"])
+def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
+    """The AVX2 and portable variants (which this machine would not pick) against the oracle."""
+    if variant == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    if variant == "avx2" and not os.uname().machine.startswith("x86"):
+        pytest.skip("AVX2 is x86-64 only")
+    script = tmp_path / "check.py"
+    script.write_text(VARIANT_CHECK)
+    env = dict(os.environ, MLX_INFER_KERNEL_ISA=variant)
+    done = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), variant], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

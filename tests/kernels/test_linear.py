@@ -1,0 +1,81 @@
+"""use_kernels(model): the swapped layers hold the same arrays and change the output only by float
+rounding, on a tiny quantized mlx-lm llama and on the default model (greedy decoding token-identical to
+the reference path)."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+
+import mlx_infer
+from mlx_infer.generation.decode import plain_tokens
+from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.kernels.linear import KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels
+
+#: Greedy tokens compared per prompt on the default model.
+GREEDY_TOKENS = 16
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
+
+
+def tiny_llama(bits: int, group_size: int) -> nn.Module:
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=320,
+                           tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def quantized_layers(model: nn.Module) -> list:
+    return [m for _, m in model.named_modules() if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)]
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 128)])
+def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
+    model = tiny_llama(bits, group_size)
+    layers = quantized_layers(model)
+    assert len(layers) == 2 * 7 + 1  # q k v o gate up down per layer, and the tied embedding
+    weights = {id(m["weight"]) for m in layers}
+    ids = mx.array([[5, 17, 250, 3, 99, 42, 7, 1, 0, 311], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    ref_short, ref_long = model(ids[:, :3]), model(mx.concatenate([ids] * 2, axis=1))  # skinny, wide
+    mx.eval(ref_short, ref_long)
+
+    assert use_kernels(model) == len(layers)
+    assert quantized_layers(model) == []
+    swapped = [m for _, m in model.named_modules() if isinstance(m, (KernelQuantizedLinear, KernelQuantizedEmbedding))]
+    assert len(swapped) == len(layers) and {id(m["weight"]) for m in swapped} == weights  # no copies
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert use_kernels(model) == 0  # already swapped
+
+    short, long = model(ids[:, :3]), model(mx.concatenate([ids] * 2, axis=1))
+    for got, ref in ((short, ref_short), (long, ref_long)):
+        scale = mx.max(mx.abs(ref)).item()
+        assert mx.max(mx.abs(got - ref)).item() <= 1e-4 * scale
+        assert mx.array_equal(got.argmax(-1), ref.argmax(-1)).item()
+
+
+def test_layer_with_bias_and_unsupported_modes(cpu_kernels):
+    layer = nn.QuantizedLinear(64, 40, bias=True, group_size=32, bits=4)
+    layer.bias = mx.arange(40, dtype=mx.float32)
+    x = mx.random.normal((3, 64), key=mx.random.key(1))
+    ref = layer(x)
+    got = KernelQuantizedLinear(layer)(x)
+    assert mx.allclose(got, ref, rtol=1e-5, atol=1e-4).item()
+    with pytest.raises(ValueError, match="affine"):
+        KernelQuantizedLinear(nn.QuantizedLinear(64, 40, mode="mxfp4"))
+
+
+def test_default_model_greedy_identical(cpu_kernels, default_engine_native):
+    """The real Q4_1 GGUF model (group 32, 4 bits; its tied lm_head at 8 bits): greedy tokens with the kernels
+    equal the reference path's (MLX's quantized matmul), prompt prefill included (the wide path)."""
+    engine = mlx_infer.load(weights="native")
+    assert use_kernels(engine.model) == 211  # 30 layers x 7 linears + the tied embedding
+    params = SamplingParams(temperature=0.0)
+    for prompt in PROMPTS:
+        ids = default_engine_native.encode(prompt)
+        ref = list(plain_tokens(default_engine_native.model, ids, params, GREEDY_TOKENS))
+        got = list(plain_tokens(engine.model, ids, params, GREEDY_TOKENS))
+        assert got == ref, prompt
