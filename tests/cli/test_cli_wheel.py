@@ -11,7 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: What a build needs from the source tree (copied, so the shared checkout gets no build/ dir).
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "mlx_infer", "cli", "models")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "mlx_infer", "cli", "models", "cpu_kernels", "metal_kernels",
+           "cuda_kernels")
 
 
 def build_wheel(tmp_path: Path) -> Path:
@@ -56,6 +57,10 @@ def test_wheel_contents_and_entry_point(tmp_path):
     for drafter in (p.parent for p in (REPO / "models").glob("*/config.json")):
         for part in ("config.json", "model.safetensors"):
             assert f"mlx_infer/models/{drafter.name}/{part}" in names, (drafter.name, part)
+    # The kernel sources: the CPU extension is built from them on first use, the GPU bodies read at import.
+    for source in ("cpu_kernels/CMakeLists.txt", "cpu_kernels/qmm.cpp", "metal_kernels/qmm.metal",
+                   "cuda_kernels/metal_prelude.cuh"):
+        assert f"mlx_infer/{source}" in names, source
     assert "[console_scripts]" in entry_points
     assert "mlx-infer = mlx_infer.cli.app:main" in entry_points
 
