@@ -15,20 +15,9 @@ import textwrap
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from qmm_helpers import magnitude, oracle, quantized
 
-
-def cpu_flags() -> set:
-    """Feature flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+from mlx_infer.blas import cpu_flags
 
 FLOAT32_TOL = 1e-5
 EPS = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
