@@ -16,9 +16,9 @@ from mlx_infer.errors import MlxInferError
 from .errors import fail, report, user_errors
 from .generate import stream_to_stdout
 from .options import (
-    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
+    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBudgetOpt, KVCacheOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
-    sampling_params, spec_kwargs,
+    kv_kwargs, sampling_params, spec_kwargs,
 )
 from .progress import PrefillBar, isatty, load_engine, prepare_speculation, stderr
 from .stats import print_stats
@@ -149,6 +149,11 @@ def chat(
     spec: SpecOpt = "auto",
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
+    kv_cache: KVCacheOpt = "dense",
+    kv_budget: KVBudgetOpt = None,
+    evict: EvictOpt = None,
+    repack: RepackOpt = "on",
+    block_size: BlockSizeOpt = "16",
     stats: bool = typer.Option(False, "--stats", help="Print stats of each answer to stderr."),
     verbose: VerboseOpt = False,
 ) -> None:
@@ -159,10 +164,14 @@ def chat(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
+        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative)
         engine = load_engine(model, weights.value, verbose)
+        engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
         if not engine.tokenizer.has_chat_template:
             raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
                        "use `mlx-infer generate --no-chat-template` with it")
-        prepare_speculation(engine, speculative)
-        ChatSession(engine, params, system, stats, verbose, interactive=isatty(), speculative=speculative).run()
+        if not kv_request:  # with eviction a speculative "auto" decodes plainly: nothing to measure
+            prepare_speculation(engine, speculative)
+        ChatSession(engine, params, system, stats, verbose, interactive=isatty(),
+                    speculative={**speculative, **kv_request}).run()

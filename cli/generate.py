@@ -8,9 +8,9 @@ import typer
 
 from .errors import fail, user_errors
 from .options import (
-    DraftModelOpt, MaxDraftOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
+    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBudgetOpt, KVCacheOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
-    sampling_params, spec_kwargs,
+    kv_kwargs, sampling_params, spec_kwargs,
 )
 from .progress import PrefillBar, load_engine, prepare_speculation
 from .stats import print_stats
@@ -45,6 +45,11 @@ def generate(
     spec: SpecOpt = "auto",
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
+    kv_cache: KVCacheOpt = "dense",
+    kv_budget: KVBudgetOpt = None,
+    evict: EvictOpt = None,
+    repack: RepackOpt = "on",
+    block_size: BlockSizeOpt = "16",
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print timing and memory stats to stderr.")] = False,
@@ -57,16 +62,19 @@ def generate(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
+        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative)
         if system and no_chat_template:
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)
         engine = load_engine(model, weights.value, verbose)
+        engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
         # tokenized once; a bad prompt fails before any measuring
         prompt_ids = engine.encode_fitting(text, system, not no_chat_template)
-        prepare_speculation(engine, speculative)
+        if not kv_request:  # with eviction a speculative "auto" decodes plainly: nothing to measure
+            prepare_speculation(engine, speculative)
         bar = PrefillBar()
-        kwargs = dict(progress=bar, **speculative)
+        kwargs = dict(progress=bar, **speculative, **kv_request)
         if as_json:
             result = engine.generate(prompt_ids, params, **kwargs)
             out = {"model": engine.source.name, **result.to_dict()}

@@ -8,11 +8,14 @@ import typer
 from mlx_infer.defaults import MAX_TOKENS
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.kv.defaults import BLOCK_SIZE
+from mlx_infer.kv.options import KV_CACHES, check_block_size, check_kv_cache, parse_budget, parse_evict
 from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
 SAMPLING = "Sampling"
 MODEL = "Model"
 SPEC = "Speculative decoding"
+KV = "KV cache"
 
 
 class Weights(str, Enum):
@@ -68,6 +71,23 @@ DraftModelOpt = Annotated[Optional[str], typer.Option(
 MaxDraftOpt = Annotated[str, typer.Option(
     "--max-draft", metavar="auto|N", rich_help_panel=SPEC,
     help="Draft tokens per round: auto (chosen each round from measured costs and acceptance) or a fixed N.")]
+#: The KV flags are plain strings checked by kv_kwargs (one `error:` line for a bad value, not typer's box).
+KVCacheOpt = Annotated[str, typer.Option(
+    "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV,
+    help="dense: mlx-lm's contiguous cache (default: the fastest without eviction); paged: a block pool with a "
+         "token table per request (vToken), needed for --evict with blocks really freed.")]
+KVBudgetOpt = Annotated[Optional[str], typer.Option(
+    "--kv-budget", metavar="BYTES|FRACTION", rich_help_panel=KV,
+    help="Most KV memory of the paged cache: 512MB, 2GiB, ... or a fraction of free memory (0.5). Default: no limit.")]
+EvictOpt = Annotated[Optional[str], typer.Option(
+    "--evict", metavar="POLICY:RATIO", rich_help_panel=KV,
+    help="Evict this fraction of the KV tokens with a policy: h2o, scissorhands, streaming, snapkv, random "
+         "(e.g. h2o:0.5; lossy; needs --kv-cache paged; with --spec auto it decodes plainly).")]
+RepackOpt = Annotated[str, typer.Option(
+    "--repack", metavar="on|off", rich_help_panel=KV,
+    help="With --evict: pack live tokens into fewer blocks (on) or free blocks only when empty (off: Naive-Evict).")]
+BlockSizeOpt = Annotated[str, typer.Option(
+    "--block-size", metavar="N", rich_help_panel=KV, help="Tokens per KV block of the paged cache.")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Say more on stderr, and show tracebacks of errors.")]
 
@@ -147,3 +167,38 @@ def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
         raise MlxInferError(f"--spec {mode} uses no --draft-model; drop it, or pick --spec "
                             f"{', '.join(MODEL_MODES)}")
     return {"speculative": mode, "draft_model": draft_model, "max_draft": value}
+
+
+def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], repack: str, block_size: str,
+              speculative: dict) -> tuple:
+    """(load kwargs, request kwargs) from the KV flags: kv_cache / kv_budget / block_size for
+    Engine.configure_kv, evict / repack for each request. Raises MlxInferError naming the bad flag (before
+    the model loads)."""
+    try:
+        kind = check_kv_cache(kv_cache)
+    except MlxInferError:
+        raise MlxInferError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}") from None
+    try:
+        size = check_block_size(block_size)
+    except MlxInferError:
+        raise MlxInferError(f"--block-size must be an integer >= 1 (tokens per KV block), got {block_size!r}") from None
+    try:
+        budget = parse_budget(kv_budget)
+    except MlxInferError as e:
+        raise MlxInferError("--" + str(e).replace("_", "-", 1)) from None
+    try:
+        spec = parse_evict(evict)
+    except MlxInferError as e:
+        raise MlxInferError(f"--evict: {e}") from None
+    value = repack.strip().lower()
+    if value not in ("on", "off"):
+        raise MlxInferError(f"--repack must be on or off, got {repack!r}")
+    if kind == "dense" and (budget is not None or size != BLOCK_SIZE or spec is not None):
+        flag = "--evict" if spec is not None else "--kv-budget" if budget is not None else "--block-size"
+        raise MlxInferError(f"{flag} needs --kv-cache paged")
+    mode = speculative.get("speculative", "off")
+    if spec is not None and mode not in ("off", "auto"):
+        raise MlxInferError(f"--evict with --spec {mode} is not supported yet: use --spec off or auto "
+                            "(which then decodes plainly)")
+    request = {"evict": str(spec), "repack": value == "on"} if spec is not None else {}
+    return {"kv_cache": kind, "kv_budget": budget, "block_size": size}, request

@@ -9,7 +9,8 @@ from .progress import stderr
 
 def format_stats(stats: GenerationStats) -> str:
     """One line: prompt tokens (and how many came from the kept cache) / generated tokens, TTFT, prefill and decode speed, peak memory, and for speculative
-    decoding the drafter, tau, rounds, draft / verify time and per-position acceptance."""
+    decoding the drafter, tau, rounds, draft / verify time and per-position acceptance; with the paged KV cache a
+    second line: retained blocks (average and end), live tokens, waste, peak KV bytes, eviction and repacks."""
     line = (
         f"prompt {stats.prompt_tokens} tok{f' ({stats.cached_prompt_tokens} cached)' if stats.cached_prompt_tokens else ''}, "
         f"generated {stats.generated_tokens} tok | "
@@ -22,6 +23,13 @@ def format_stats(stats: GenerationStats) -> str:
             rates = " ".join(f"{a:.2f}" for a in (stats.acceptance or []))
             line += (f": tau {stats.tau:.2f}, {stats.rounds} rounds, draft {stats.draft_s:.2f} s, "
                      f"verify {stats.verify_s:.2f} s, acceptance by position [{rates}]")
+    if stats.kv is not None:
+        kv = stats.kv
+        line += (f"\nkv paged (block {kv['block_size']}): {kv['retained_blocks']:.1f} blocks on average, "
+                 f"{kv['retained_blocks_end']} at the end, {kv['live_tokens']} live tok, waste {kv['waste']:.2f}, "
+                 f"peak {kv['peak_kv_bytes'] / 2**20:.1f} MiB"
+                 + (f" | evict {kv['evict']}: {kv['evicted_tokens']} tok, repack "
+                    f"{'on' if kv['repack'] else 'off'} ({kv['repacks']} in {kv['repack_s']:.3f} s)" if kv['evict'] else ""))
     return line
 
 

@@ -22,7 +22,8 @@ __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationSt
            "MlxInferError", "__version__"]
 
 
-def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None) -> Engine:
+def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None,
+         kv_cache: str = "dense", kv_budget=None, block_size: int = 16) -> Engine:
     """Load a model and return an Engine.
 
     Args:
@@ -31,9 +32,11 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
         weights: "auto" (float32 on the CPU backend with an optimized BLAS, else as stored),
             "native" (as stored) or "float32".
         progress: callable(done, total, description) for download / conversion progress.
+        kv_cache, kv_budget, block_size: the KV cache ("dense", default, or "paged"), its budget and block
+            size (see Engine.configure_kv).
 
     Raises:
         MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF.
     """
     net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
-    return Engine(net, tokenizer, config, source)
+    return Engine(net, tokenizer, config, source, kv_cache=kv_cache, kv_budget=kv_budget, block_size=block_size)

@@ -21,6 +21,9 @@ from .generation.decode import plain_tokens
 from .generation.detokenize import make_detokenizer
 from .generation.sampling import SamplingParams
 from .generation.stops import StopStringMatcher
+from .kv.defaults import BLOCK_SIZE
+from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
+from .kv.session import KVRequest, PagedKV, release
 from .loading import ModelSource
 from .paths import model_fingerprint
 from .speculative import DraftModel, SpecOptions, SpecState, SpecStats, Target
@@ -52,6 +55,11 @@ class GenerationStats:
         draft_s: seconds spent drafting (speculative only).
         verify_s: seconds spent in verify forwards and accept/reject (speculative only).
         acceptance: per-position acceptance rates of the draft tokens (speculative only, else None).
+        kv: the paged KV cache's record (None with the dense cache): retained_blocks (the request's KV blocks,
+            time average over its decode steps), retained_blocks_end (at the end), retained_blocks_max (the most
+            over the decode steps, after eviction), live_tokens, waste (1 - mean
+            live fraction of its blocks, at the end), repacks, repack_s (host seconds), peak_kv_bytes (its most
+            blocks x bytes per block, all layers, K and V), block_size, evict, repack, evicted_tokens.
     """
 
     prompt_tokens: int = 0
@@ -68,6 +76,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     acceptance: Optional[List[float]] = None
+    kv: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,8 +139,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def measurement_key(source: ModelSource) -> str:
     """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
-    priors): the model's content, not where it lies, its weights mode, the backend, BLAS and MLX version."""
-    return f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{backend_name()}|{blas_in_use()}|{mx.__version__}"
+    priors): the model's content, not where it lies, its weights mode, the quantized-matmul kernel its layers
+    run on, the backend, BLAS and MLX version."""
+    return (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
+            f"{blas_in_use()}|{mx.__version__}")
 
 
 class Engine:
@@ -141,7 +152,15 @@ class Engine:
 
     The engine keeps the KV cache of its last request: a request whose prompt starts with the tokens of
     the previous one (a chat's next turn: the history, then the new message) prefills only what follows the
-    common prefix (`GenerationStats.cached_prompt_tokens`). `reset()` drops it.
+    common prefix (`GenerationStats.cached_prompt_tokens`). `reset()` drops it. A request that evicted tokens
+    is not kept (its cache no longer equals a fresh prefill of its tokens).
+
+    KV cache (`configure_kv`, or the same keyword arguments of the constructor and `mlx_infer.load`):
+    kv_cache="dense" (default: mlx-lm's own contiguous cache; the paged one costs +0.5-1% decode time
+    without holes, +1-4% with them, measured in bench/kv_core.py --overhead) or "paged" (a block pool per
+    engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with reclaimed
+    blocks); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
+    block_size (tokens per block, 16).
 
     Attributes:
         model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
@@ -151,7 +170,8 @@ class Engine:
             measured costs).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource):
+    def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource, *, kv_cache: str = "dense",
+                 kv_budget: Union[None, int, float, str] = None, block_size: int = BLOCK_SIZE):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -162,10 +182,41 @@ class Engine:
         self.vocab_size = output_vocab(model)  # rows of the logits (padding included): what top_k counts
         self._detokenizer = make_detokenizer(tokenizer)  # built once (it reads the vocabulary), reset per request
         self._kept: Optional[KeptCache] = None
+        self._kv: Optional[PagedKV] = None
+        self.configure_kv(kv_cache, kv_budget, block_size)
+
+    def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
+                     block_size: int = BLOCK_SIZE) -> None:
+        """Choose the KV cache of the next requests (see the class docstring); drops the kept cache.
+
+        Raises:
+            MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, or a
+                kv_budget / block_size other than the default given with the dense cache.
+        """
+        kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
+        if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
+            raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
+        self.reset()
+        self._kv = PagedKV(self.model, budget, size) if kind == "paged" else None
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache kind requests use: "dense" or "paged"."""
+        return "dense" if self._kv is None else "paged"
+
+    @property
+    def kv_pool(self):
+        """The paged cache's BlockPool (None with the dense cache)."""
+        return self._kv.pool if self._kv is not None else None
 
     def reset(self) -> None:
-        """Forget the kept KV cache: the next request prefills its whole prompt."""
-        self._kept = None
+        """Forget the kept KV cache (its blocks go back to the pool): the next request prefills its whole prompt."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            release(kept.cache)
+
+    def _fresh_cache(self) -> list:
+        return make_prompt_cache(self.model) if self._kv is None else self._kv.new_cache()
 
     def _cache_for(self, prompt_ids: List[int]):
         """(caches, start): the kept cache trimmed to its common prefix with the prompt (at most all but the
@@ -177,14 +228,18 @@ class Engine:
             if start > 0 and (extra == 0 or can_trim_prompt_cache(kept.cache)):
                 trim_prompt_cache(kept.cache, extra)
                 return kept.cache, start
-        return make_prompt_cache(self.model), 0
+            release(kept.cache)
+        return self._fresh_cache(), 0
 
     def _keep(self, cache: list, tokens: List[int]) -> None:
         """Keep a finished request's cache for the next one when it can be trimmed (else the next starts
-        fresh); `tokens`: the prompt and every token the request's source delivered."""
+        fresh, and a paged cache's blocks go back to the pool); `tokens`: the prompt and every token the
+        request's source delivered."""
         offset = cache[0].offset if can_trim_prompt_cache(cache) else -1
         if 0 < offset <= len(tokens):
             self._kept = KeptCache(cache, tokens[:offset])
+        else:
+            release(cache)
 
     def prepare(self, speculative: str = "off", draft_model=None, max_draft: Union[str, int] = "auto",
                 say: Optional[Callable[[str], None]] = None) -> None:
@@ -262,6 +317,8 @@ class Engine:
         draft_model=None,
         max_draft: Union[str, int] = "auto",
         progress: Optional[Callable[[int, int], None]] = None,
+        evict: Optional[str] = None,
+        repack: bool = True,
         **sampling,
     ) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
@@ -281,21 +338,44 @@ class Engine:
                 format (None: the one registered for this model).
             max_draft: draft tokens per round, an int >= 0 or "auto" (chosen each round from measured costs).
             progress: callable(done, total) during prefill, prompt tokens (a kept prefix counts as done).
+            evict: "POLICY:RATIO" (paged cache only): evict that fraction of the tokens with the policy (h2o,
+                scissorhands, streaming, snapkv, random); None: no eviction. Not with speculative decoding yet:
+                speculative="auto" then decodes plainly.
+            repack: with evict, repack live tokens into fewer blocks (vToken); False: the Naive-Evict baseline
+                (the same eviction decisions, blocks freed only when empty).
 
         Raises:
-            MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, or a
-                draft_model given to a mode that uses none ("off", "lookup", "layerskip").
+            MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, a draft_model
+                given to a mode that uses none ("off", "lookup", "layerskip"), a bad evict, evict with the dense
+                cache or with a speculative mode other than "auto"; KVBudgetError (an MlxInferError): a request
+                that cannot fit the KV budget (before prefill).
         """
         params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
         params = params.for_vocab(self.vocab_size)
         options = self._spec_options(speculative, draft_model, max_draft)
+        eviction = self._check_evict(evict, repack, options)
         prompt_ids = self.encode_fitting(prompt, system, chat_template)
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         with wired_limit(self.model, [generation_stream]):
-            yield from self._steps(prompt_ids, params, max_tokens, options, progress)
+            yield from self._steps(prompt_ids, params, max_tokens, options, progress, eviction, repack)
+
+    def _check_evict(self, evict: Optional[str], repack: bool, options: SpecOptions) -> Optional[EvictSpec]:
+        """The request's EvictSpec (None: no eviction); raises MlxInferError for a bad one or a bad pairing."""
+        spec = parse_evict(evict)
+        if not isinstance(repack, bool):
+            raise MlxInferError(f"repack must be True or False, got {repack!r}")
+        if spec is None:
+            return None
+        if self._kv is None:
+            raise MlxInferError("evict needs the paged KV cache: load with kv_cache='paged' (CLI: --kv-cache paged)")
+        if options.on and options.mode != "auto":
+            raise MlxInferError(f"eviction with speculative decoding is not supported yet: use speculative='off' "
+                                f"or 'auto' (which then decodes plainly), not {options.mode!r}")
+        return spec
 
     def _steps(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int, options: SpecOptions,
-               progress: Optional[Callable[[int, int], None]]) -> Iterator[GenerationStep]:
+               progress: Optional[Callable[[int, int], None]], evict: Optional[EvictSpec] = None,
+               repack: bool = True) -> Iterator[GenerationStep]:
         """The steps of one validated request (see stream_steps)."""
         detok = self._detokenizer
         detok.reset()
@@ -304,10 +384,24 @@ class Engine:
         mx.reset_peak_memory()
         start = time.perf_counter()
         cache, cached = self._cache_for(prompt_ids)
+        kv = None
+        if self._kv is not None:
+            try:
+                self._kv.check_fits(cache, len(prompt_ids), max_tokens, evict is not None)
+                kv = KVRequest(self._kv, cache, evict, repack)
+            except MlxInferError:
+                release(cache)
+                raise
         spec = SpecStats() if options.on else None
         tokens = None
-        if spec is not None:
-            tokens = self.spec.tokens(prompt_ids, params, max_tokens, options, spec, cache, cached, progress)
+        if spec is not None and evict is not None:
+            spec.mode = "off"  # speculative="auto" with eviction: plain decoding (not supported together yet)
+        elif spec is not None:
+            try:
+                tokens = self.spec.tokens(prompt_ids, params, max_tokens, options, spec, cache, cached, progress)
+            except Exception:  # e.g. a drafter that fails to load: a paged cache's blocks go back to the pool
+                release(cache)
+                raise
         if tokens is None:  # plain decoding (asked for, or where speculation cannot pay)
             tokens = plain_tokens(self.model, prompt_ids, params, max_tokens, cache, cached, progress)
         first_at = None
@@ -315,10 +409,15 @@ class Engine:
         held_text, held_token = "", None  # the last token's step, yielded with the final one
         delivered: List[int] = []  # every token the source gave, EOS included (what the cache may hold)
         clean = False
+        kv_stats = None
         try:
+            if kv is not None:
+                kv.__enter__()
             for token in tokens:
                 first_at = first_at or time.perf_counter()
                 delivered.append(token)
+                if kv is not None:
+                    kv.step()
                 if token in eos:
                     finish = "stop"
                     break
@@ -336,8 +435,15 @@ class Engine:
             raise
         finally:
             tokens.close()
-            if clean:  # an exception inside a forward leaves the cache in an unknown state: not kept
+            if kv is not None:
+                kv.__exit__(None, None, None)
+                kv_stats = kv.stats()
+            # an exception inside a forward leaves the cache in an unknown state, and an evicted one no longer
+            # equals a fresh prefill of its tokens: neither is kept
+            if clean and (kv is None or kv.evicted == 0):
                 self._keep(cache, list(prompt_ids) + delivered)
+            else:
+                release(cache)
         end = time.perf_counter()
         if not (finish == "stop" and held_token is not None):  # no stop string hit yet
             detok.finalize()
@@ -355,6 +461,7 @@ class Engine:
             total_s=end - start,
             peak_memory_bytes=int(mx.get_peak_memory()),
             cached_prompt_tokens=cached,
+            kv=kv_stats,
         )
         if spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = spec.mode, spec.tau, spec.rounds

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TIMEOUT_S, cli_env
+from cli_helpers import TIMEOUT_S, cli_env
 
 import mlx_infer  # noqa: F401  (first: the optimized BLAS is picked before mlx.core loads)
 from mlx_infer.cli import app as cli_app

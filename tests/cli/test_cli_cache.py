@@ -6,7 +6,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, cli_env
+from cli_helpers import assert_user_error, cli_env
 
 from gguf_factory import tiny_gguf
 

@@ -3,7 +3,7 @@
 import json
 
 import mlx_infer  # noqa: F401  (first: the optimized BLAS is picked before mlx.core loads)
-from conftest import cli_env
+from cli_helpers import cli_env
 
 
 def test_convert_default_model_round_trips_through_mlx_lm(run_cli, default_gguf, tmp_path):

@@ -5,7 +5,7 @@ import platform
 
 import mlx.core as mx
 import pytest
-from conftest import cli_env
+from cli_helpers import cli_env
 
 
 def test_doctor_table(run_cli):

@@ -4,7 +4,7 @@ Each case fails before a model is loaded (fast), except the prompt that overflow
 """
 
 import pytest
-from conftest import assert_user_error, cli_env
+from cli_helpers import assert_user_error, cli_env
 
 
 def test_missing_gguf_file(run_cli, tmp_path):

@@ -6,7 +6,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from conftest import assert_user_error, cli_env
+from cli_helpers import assert_user_error, cli_env
 
 import mlx_infer
 from mlx_infer.speculative import MODES

@@ -4,9 +4,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import mlx_infer
-from gguf_factory import TinySpec, random_weights, write_gguf
+from gguf_factory import MODEL_TYPES, TinySpec, random_weights, write_gguf
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+#: Every architecture the GGUF loader maps (gguf_factory writes each).
+ARCHS = list(MODEL_TYPES)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import ARCHS
+from gguf_factory import MODEL_TYPES
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kv import make_paged_cache, make_pool
@@ -54,7 +54,7 @@ def test_default_model_greedy_tokens_identical(default_engine):
     assert pool.blocks_in_use == -(-cache[0].offset // pool.block_size)  # dense blocks, no hole
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", list(MODEL_TYPES))
 def test_tiny_architectures_logits_match(tiny_models, arch):
     """Prefill in 3 chunks (the new tokens after cached ones, gemma3's window crossing chunks), then decode;
     block size 4 so the tokens span many blocks."""

@@ -1,13 +1,18 @@
 """Speculative rollback on the paged cache: trim(n) after a multi-token forward leaves the state of never
-having appended (slots freed), and speculative decoding with prompt lookup gives plain decoding's tokens."""
+having appended (slots freed), and speculative decoding with prompt lookup (default model) and DFlash (tiny
+llamas of tests/speculative) gives plain decoding's tokens."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from speculative.block_drafters import random_dflash
+from speculative.conftest import tiny_llama as speculative_tiny_llama
 
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kv import make_paged_cache, make_pool
 from mlx_infer.speculative import LookupDrafter, SpecStats, speculative_tokens
+from mlx_infer.speculative.drafters.dflash import DFlashDrafter
 
 REPEAT = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten. one two"
 
@@ -43,3 +48,21 @@ def test_speculative_lookup_greedy_identical(default_engine):
     assert got == list(plain_tokens(model, ids, SamplingParams(), 24))
     assert stats.committed == 24 and sum(stats.proposed) > 0  # multi-token forwards were rolled back or kept
     assert pool.blocks_in_use == -(-cache[0].offset // pool.block_size)
+
+
+@pytest.mark.parametrize("block", [3, 5])
+def test_tiny_dflash_greedy_identical_on_the_paged_cache(block):
+    """DFlash (a block drafter fed the target's hidden states) on a tiny llama: the paged cache gives the
+    tokens of plain decoding on the dense cache, and the rolled-back drafts leave no block behind."""
+    target = speculative_tiny_llama(seed=1, vocab=64, scale=3.0)
+    drafter = DFlashDrafter(random_dflash(seed=block, vocab=64, block=block), target)
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 4, 33, 2, 17]):
+        base = list(plain_tokens(target, prompt, SamplingParams(), 24))
+        pool = make_pool(target, block_size=4)
+        cache = make_paged_cache(target, pool)
+        stats = SpecStats()
+        got = list(speculative_tokens(target, prompt, SamplingParams(), 24, drafter, block - 1, stats, cache=cache))
+        assert got == base and stats.mode == "dflash" and stats.rounds > 0
+        assert pool.blocks_in_use == -(-cache[0].offset // 4)
+        cache[0].sequence.release()
+        assert pool.blocks_in_use == 0

@@ -1,0 +1,104 @@
+"""Naive-Evict vs vToken repacking through the Engine's paged KV cache (issue 13, second part).
+
+    python bench/kv.py                     # H2O, Scissorhands, StreamingLLM x ratios 0.3 / 0.5 / 0.7
+    python bench/kv.py --prompt 512 --tokens 64 --budget 256MiB --policies h2o --ratios 0.5
+
+On the default model: one wikitext window (bench/kv_core.py's wikitext_ids) as the prompt, greedy, `--tokens`
+generated; first with the full cache (the paged cache without eviction), then per policy and ratio with
+`evict=POLICY:RATIO` and repack on (vToken) and off (Naive-Evict: the same decisions, blocks freed only when
+empty). Columns: retained blocks per request, time average over the decode steps ("mean") and at the end
+("end"), the most over the decode steps ("max", after each step's eviction), peak KV bytes of the request
+(the prefill included: eviction starts after it), the most such requests a `--budget` pool holds
+(budget / peak blocks, and budget / max decode blocks: the steady state once the prefills are done),
+greedy agreement with the full cache (fraction of equal tokens position by position, and the length of the
+common prefix) and decode tokens/s. The machine may be shared: tokens/s are indicative only.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import mlx_infer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_result  # noqa: E402
+from kv_core import wikitext_ids  # noqa: E402
+
+from mlx_infer.engine import common_prefix  # noqa: E402
+from mlx_infer.kv.options import parse_budget  # noqa: E402
+
+
+def run(engine, prompt, tokens, evict=None, repack=True):
+    engine.reset()
+    r = engine.generate(prompt, max_tokens=tokens, evict=evict, repack=repack)
+    engine.reset()
+    return r
+
+
+def row(name, ratio, system, r, full, budget_blocks, block_bytes):
+    kv, ids = r.stats.kv, r.token_ids
+    n = min(len(ids), len(full.token_ids))
+    peak_blocks = kv["peak_kv_bytes"] // block_bytes
+    return {
+        "policy": name, "ratio": ratio, "system": system,
+        "blocks_mean": kv["retained_blocks"], "blocks_end": kv["retained_blocks_end"],
+        "blocks_max": kv["retained_blocks_max"], "peak_kv_mb": round(kv["peak_kv_bytes"] / 2**20, 2),
+        "peak_blocks": peak_blocks,
+        "max_requests_peak": budget_blocks // peak_blocks if peak_blocks else None,
+        "max_requests_decode": budget_blocks // kv["retained_blocks_max"] if kv["retained_blocks_max"] else None,
+        "live_end": kv["live_tokens"], "waste_end": kv["waste"], "repacks": kv["repacks"],
+        "repack_s": kv["repack_s"], "evicted": kv["evicted_tokens"],
+        "agreement": round(sum(a == b for a, b in zip(ids, full.token_ids)) / n, 3) if n else 0.0,
+        "common_prefix": common_prefix(ids, full.token_ids), "generated": len(ids),
+        "decode_tps": round(r.stats.decode_tps, 1),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=512, help="wikitext prompt tokens")
+    ap.add_argument("--skip", type=int, default=0, help="characters of wikitext skipped")
+    ap.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--budget", default="256MiB", help="the fixed KV budget of the concurrency column")
+    ap.add_argument("--policies", default="h2o,scissorhands,streaming")
+    ap.add_argument("--ratios", default="0.3,0.5,0.7")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--weights", default="float32")
+    args = ap.parse_args()
+    engine = mlx_infer.load(weights=args.weights, kv_cache="paged", block_size=args.block_size)
+    prompt = wikitext_ids(engine.tokenizer, args.prompt, skip_chars=args.skip)
+    full = run(engine, prompt, args.tokens)
+    block_bytes = engine.kv_pool.block_bytes
+    budget_blocks = parse_budget(args.budget) // block_bytes
+    rows = [row("full", 0.0, "full", full, full, budget_blocks, block_bytes)]
+    mismatched = []
+    for name in args.policies.split(","):
+        for ratio in (float(x) for x in args.ratios.split(",")):
+            spec = f"{name}:{ratio:g}"
+            naive = run(engine, prompt, args.tokens, spec, repack=False)
+            packed = run(engine, prompt, args.tokens, spec, repack=True)
+            if naive.token_ids != packed.token_ids:
+                mismatched.append(spec)
+            rows += [row(name, ratio, "naive", naive, full, budget_blocks, block_bytes),
+                     row(name, ratio, "vtoken", packed, full, budget_blocks, block_bytes)]
+            n, v = rows[-2], rows[-1]
+            for r in (n, v):
+                r["fewer_blocks_mean_pct"] = round(100 * (1 - v["blocks_mean"] / n["blocks_mean"]), 1)
+                r["fewer_blocks_end_pct"] = round(100 * (1 - v["blocks_end"] / n["blocks_end"]), 1)
+    cols = ["policy", "ratio", "system", "blocks_mean", "blocks_end", "blocks_max", "peak_kv_mb",
+            "max_requests_peak", "max_requests_decode", "live_end", "repacks", "agreement", "common_prefix",
+            "decode_tps"]
+    print(f"default model, prompt {args.prompt} wikitext tokens, {args.tokens} generated, block {args.block_size}, "
+          f"budget {args.budget} = {budget_blocks} blocks of {block_bytes} bytes")
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r.get(c)) for c in cols))
+    print("Naive-Evict and vToken tokens identical:", "yes" if not mismatched else f"NO for {mismatched}")
+    result = {"machine": machine(), "command": " ".join(sys.argv), "prompt_tokens": args.prompt,
+              "tokens": args.tokens, "budget": args.budget, "budget_blocks": budget_blocks,
+              "block_bytes": block_bytes, "weights": args.weights, "rows": rows, "naive_vtoken_mismatch": mismatched}
+    print("wrote", write_result("kv", result))
+
+
+if __name__ == "__main__":
+    main()

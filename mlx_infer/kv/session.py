@@ -1,0 +1,151 @@
+"""The paged KV cache as the Engine uses it: one PagedKV per engine (its block pool, budget and repack stream)
+and one KVRequest per request (eviction when asked for, the retained-block record, the `kv` stats).
+
+    kv = PagedKV(model, budget_bytes=512 << 20, block_size=16)
+    cache = kv.new_cache()                      # the request's per-layer PagedKVCache
+    kv.check_fits(cache, prompt_tokens=..., new_tokens=..., evicting=False)   # KVBudgetError before prefill
+    with KVRequest(kv, cache, EvictSpec("h2o", 0.5), repack=True) as req:
+        for token in tokens:                    # after each forward of the decode loop
+            req.step()
+    req.stats()                                 # GenerationStats.kv
+    release(cache)                              # the blocks go back to the pool (dense caches: nothing)
+"""
+
+import math
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .cache import PagedKVCache, make_paged_cache, make_pool
+from .errors import KVBudgetError
+from .evict import EvictionController
+from .observe import AttentionObserver, QueryTap
+from .options import EvictSpec
+from .policies import make_policy
+from .repack import Repacker
+
+
+def release(cache: Optional[list]) -> None:
+    """Give a request's KV blocks back to their pool (a paged cache); a dense cache or None: nothing."""
+    if cache and isinstance(cache[0], PagedKVCache):
+        cache[0].sequence.release()
+
+
+class PagedKV:
+    """The paged KV cache of one engine: one BlockPool shared by its requests (one at a time here).
+
+    Args:
+        model: the engine's mlx-lm model.
+        budget_bytes: most bytes the pool may hold over all layers, K and V (None: no limit).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model: nn.Module, budget_bytes: Optional[int], block_size: int):
+        self.model = model
+        self.pool = make_pool(model, block_size=block_size, budget_bytes=budget_bytes)
+        self.stream = mx.new_stream(mx.default_device())  # the repacker's copies (one per engine)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def new_cache(self) -> List[PagedKVCache]:
+        """A fresh request's per-layer caches over the pool (mlx-lm's prompt_cache protocol)."""
+        return make_paged_cache(self.model, self.pool)
+
+    def _configure(self) -> None:
+        """Fix the pool's layout before the first request (its budget in blocks needs it): the K/V shape and
+        dtype of one token through a dense mlx-lm cache."""
+        dense = make_prompt_cache(self.model)
+        self.model(mx.array([[0]]), cache=dense)
+        keys, values = dense[0].keys, dense[0].values  # [1, n_kv, L, k_dim], [1, n_kv, L, v_dim]
+        self.pool.configure(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+
+    def check_fits(self, cache: List[PagedKVCache], prompt_tokens: int, new_tokens: int, evicting: bool) -> None:
+        """Raise KVBudgetError (before prefill) when the request can never fit the budget: the prompt and
+        `new_tokens` more (with eviction: the prompt and its first token, evicted only after the prefill), minus
+        nothing for the kept prefix (it is part of the same blocks)."""
+        if self.pool.budget_bytes is None:
+            return
+        if self.pool.layout is None:
+            self._configure()
+        tokens = prompt_tokens + (1 if evicting else new_tokens)
+        need, most = math.ceil(tokens / self.block_size), self.pool.max_blocks
+        other = self.pool.blocks_in_use - len(cache[0].sequence.table.blocks)
+        if need > most - other:
+            raise KVBudgetError(
+                f"the request needs {need} KV blocks of {self.block_size} tokens ({tokens} tokens) but the KV "
+                f"budget of {self.pool.budget_bytes / 2**20:.1f} MiB holds {most - other}: raise kv_budget, lower "
+                f"max_tokens{'' if evicting else ', or evict tokens (evict=POLICY:RATIO)'}")
+
+
+class KVRequest:
+    """One request on the paged cache: eviction (when `evict` is given: its policy, an attention observer on
+    the model's queries, a Repacker, or Naive-Evict with repack=False), and per decode step the request's
+    retained blocks. A context manager: the query tap is installed on the model while it is open.
+
+    Args:
+        kv: the engine's PagedKV.
+        cache: the request's caches (from kv.new_cache, possibly a kept prefix).
+        evict: EvictSpec or None (no eviction).
+        repack: vToken repacking (False: Naive-Evict, the same decisions, blocks freed only when empty).
+    """
+
+    def __init__(self, kv: PagedKV, cache: List[PagedKVCache], evict: Optional[EvictSpec], repack: bool = True):
+        self.kv, self.cache, self.evict = kv, cache, evict
+        self.sequence = cache[0].sequence
+        self.repacker = Repacker(enabled=repack, stream=kv.stream) if evict is not None else None
+        self.controller: Optional[EvictionController] = None
+        self._tap: Optional[QueryTap] = QueryTap(kv.model) if evict is not None else None
+        self.blocks: List[int] = []  # the request's blocks after each decode step
+        self.peak_blocks = 0
+
+    def __enter__(self) -> "KVRequest":
+        if self._tap is not None:
+            tap = self._tap.__enter__()
+            observer = AttentionObserver(tap, self.cache)
+            self.controller = EvictionController(self.sequence, make_policy(self.evict.policy), self.evict.ratio,
+                                                 observer, self.repacker)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._tap is not None:
+            self._tap.__exit__(*exc)
+
+    def step(self) -> None:
+        """After a forward (each token the decode loop delivers): evict and repack when due, record the blocks."""
+        table = self.sequence.table
+        self.peak_blocks = max(self.peak_blocks, len(table.blocks))
+        if self.controller is not None:
+            self.controller.step()
+        self.blocks.append(len(table.blocks))
+
+    @property
+    def evicted(self) -> int:
+        """Tokens evicted so far (then the cache no longer equals a fresh prefill of its tokens)."""
+        return self.controller.record.evicted if self.controller is not None else 0
+
+    def stats(self) -> dict:
+        """GenerationStats.kv: retained_blocks (time average over the decode steps), retained_blocks_end,
+        retained_blocks_max (the most over the decode steps, after each step's eviction), live_tokens, waste (1 - mean live fraction of the blocks, at the end), repacks, repack_s (host seconds
+        planning and enqueueing), peak_kv_bytes (the request's most blocks x bytes per block, all layers, K and
+        V, prefill included), block_size, evict ("POLICY:RATIO" or None), repack, evicted_tokens."""
+        table = self.sequence.table
+        bb = self.kv.pool.block_bytes
+        peak = max(self.peak_blocks, len(table.blocks))
+        return {
+            "retained_blocks": round(sum(self.blocks) / len(self.blocks), 3) if self.blocks else float(len(table.blocks)),
+            "retained_blocks_end": len(table.blocks),
+            "retained_blocks_max": max(self.blocks, default=len(table.blocks)),
+            "live_tokens": table.n_live,
+            "waste": round(table.waste(), 4),
+            "repacks": self.repacker.repacks if self.repacker is not None else 0,
+            "repack_s": round(self.repacker.repack_s, 6) if self.repacker is not None else 0.0,
+            "peak_kv_bytes": peak * bb,
+            "block_size": self.kv.block_size,
+            "evict": str(self.evict) if self.evict is not None else None,
+            "repack": self.repacker.enabled if self.repacker is not None else None,
+            "evicted_tokens": self.evicted,
+        }

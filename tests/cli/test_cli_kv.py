@@ -1,0 +1,47 @@
+"""The KV cache flags: bad values are one `error:` line with exit 2 before the model loads; a paged run's
+--json carries the kv object and --stats prints its line."""
+
+import json
+
+import pytest
+from cli_helpers import assert_user_error
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "hi", "--kv-cache", "sparse"], "--kv-cache must be one of dense, paged"),
+    (["generate", "hi", "--kv-cache", "paged", "--kv-budget", "12XB"], "--kv-budget '12XB' does not parse"),
+    (["generate", "hi", "--kv-cache", "paged", "--kv-budget", "1.5"], "in (0, 1]"),
+    (["generate", "hi", "--kv-cache", "paged", "--evict", "lru:0.5"], "unknown eviction policy 'lru'"),
+    (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o:1.5"], "must be in (0, 1)"),
+    (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o"], "POLICY:RATIO"),
+    (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o:0.5", "--repack", "maybe"], "--repack must be on or off"),
+    (["generate", "hi", "--kv-cache", "paged", "--block-size", "0"], "--block-size must be an integer >= 1"),
+    (["generate", "hi", "--evict", "h2o:0.5"], "--evict needs --kv-cache paged"),
+    (["generate", "hi", "--kv-budget", "1GB"], "--kv-budget needs --kv-cache paged"),
+    (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o:0.5", "--spec", "lookup"], "not supported yet"),
+    (["chat", "--kv-cache", "paged", "--evict", "nope:0.3"], "unknown eviction policy"),
+    (["chat", "--kv-cache", "paged", "--block-size", "x"], "--block-size"),
+])
+def test_bad_kv_flags_fail_before_loading(run_cli, args, message):
+    assert_user_error(run_cli(*args, "-m", "/definitely/not/here.gguf"), message)
+
+
+def test_paged_json_and_stats(run_cli):
+    proc = run_cli("generate", "Name three colors.", "-n", "12", "--kv-cache", "paged", "--evict", "h2o:0.5",
+                   "--json", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    kv = json.loads(proc.stdout)["stats"]["kv"]
+    assert kv["evict"] == "h2o:0.5" and kv["repack"] is True and kv["block_size"] == 16
+    assert kv["evicted_tokens"] > 0 and kv["live_tokens"] > 0 and kv["peak_kv_bytes"] > 0
+    assert "kv paged (block 16)" in proc.stderr and "evict h2o:0.5" in proc.stderr
+
+
+def test_dense_json_has_no_kv(run_cli):
+    proc = run_cli("generate", "Hi", "-n", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["stats"]["kv"] is None
+
+
+def test_over_budget_is_one_error_line(run_cli):
+    proc = run_cli("generate", "Name three colors.", "-n", "200", "--kv-cache", "paged", "--kv-budget", "1MB")
+    assert_user_error(proc, "KV budget")
