@@ -68,14 +68,26 @@ def test_layer_with_bias_and_unsupported_modes(cpu_kernels):
         KernelQuantizedLinear(nn.QuantizedLinear(64, 40, mode="mxfp4"))
 
 
-def test_default_model_greedy_identical(cpu_kernels, default_engine_native):
-    """The real Q4_1 GGUF model (group 32, 4 bits; its tied lm_head at 8 bits): greedy tokens with the kernels
-    equal the reference path's (MLX's quantized matmul), prompt prefill included (the wide path)."""
+def test_default_model_greedy_identical(cpu_kernels, monkeypatch):
+    """The real Q4_1 GGUF model (group 32, 4 bits; its tied lm_head at 8 bits), loaded as users get it: its
+    quantized layers run on the kernels, and its greedy tokens equal those of MLX's own quantized matmul
+    (MLX_INFER_KERNELS=off), prompt prefill included (the wide path)."""
     engine = mlx_infer.load(weights="native")
-    assert use_kernels(engine.model) == 211  # 30 layers x 7 linears + the tied embedding
+    assert engine.source.kernels == f"cpu-{cpu_kernels.isa()}"
+    kinds = (KernelQuantizedLinear, KernelQuantizedEmbedding)
+    swapped = [m for _, m in engine.model.named_modules() if isinstance(m, kinds)]
+    assert len(swapped) == 211  # 30 layers x 7 linears + the tied embedding
+    monkeypatch.setenv("MLX_INFER_KERNELS", "off")
+    cpu_kernels.refresh()
+    try:
+        reference = mlx_infer.load(weights="native")
+    finally:
+        monkeypatch.delenv("MLX_INFER_KERNELS")
+        cpu_kernels.refresh()
+    assert reference.source.kernels is None
     params = SamplingParams(temperature=0.0)
     for prompt in PROMPTS:
-        ids = default_engine_native.encode(prompt)
-        ref = list(plain_tokens(default_engine_native.model, ids, params, GREEDY_TOKENS))
+        ids = reference.encode(prompt)
+        ref = list(plain_tokens(reference.model, ids, params, GREEDY_TOKENS))
         got = list(plain_tokens(engine.model, ids, params, GREEDY_TOKENS))
         assert got == ref, prompt
