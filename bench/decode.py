@@ -1,17 +1,23 @@
 """TTFT and decode tokens/s of mlx-infer against mlx_lm.stream_generate, in one run, interleaved.
 
 Rows (same GGUF, same prompt, greedy, same process):
-  mlx-lm (native)       mlx_lm.stream_generate on the model as stored (Q4_1 -> MLX 4-bit)
-  mlx-infer (native)    the same weights through mlx-infer's Engine
+  mlx-lm (native)       mlx_lm.stream_generate on the model as stored (Q4_1 -> MLX 4-bit), loaded by mlx_lm.load
+                        (MLX's own quantized matmul)
+  mlx-infer (native)    the same weights through mlx-infer's Engine: on the CPU its quantized layers run on
+                        mlx-infer's kernel (what weights="auto" picks when the kernel is available)
   mlx-lm (float32)      mlx_lm.stream_generate on the dequantized float32 model
-  mlx-infer (float32)   mlx-infer's CPU fast path (what weights="auto" picks on CPU + OpenBLAS)
-  llama.cpp             llama-cpp-python on the same GGUF, when it is installed
+  mlx-infer (float32)   the float32 CPU path (what weights="auto" picks without the kernel, with OpenBLAS)
+  llama.cpp             llama-cpp-python on the same GGUF, when it is installed, with as many threads as
+                        this machine has cores (mlx-infer's kernel uses them all)
+Every mlx-infer run starts from an empty KV cache (`reset()`), so TTFT is a whole prefill; llama-cpp-python
+keeps the evaluated prompt between calls, so its TTFT after the first trial is not comparable.
 
 Usage: python bench/decode.py [--model PATH] [--trials 5] [--max-tokens 64]
 Prints a table and writes bench/results/decode-*.json.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,21 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 from common import interleaved, machine, median, time_tokens, write_result  # noqa: E402
+from mlx_lm import load as mlx_lm_load, stream_generate  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
 
-def mlx_lm_runner(engine, prompt_ids, max_tokens):
-    from mlx_lm import stream_generate
-
+def mlx_lm_runner(model, tokenizer, prompt_ids, max_tokens):
     def run():
-        return time_tokens(r.token for r in stream_generate(engine.model, engine.tokenizer, prompt_ids, max_tokens=max_tokens))
+        return time_tokens(r.token for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens))
 
     return run
 
 
 def mlx_infer_runner(engine, prompt_ids, max_tokens):
     def run():
+        engine.reset()  # a whole prefill every time, as mlx-lm's runs
         return time_tokens(s for s in engine.stream_steps(prompt_ids, max_tokens=max_tokens) if s.token is not None)
 
     return run
@@ -45,7 +51,7 @@ def llama_cpp_runner(gguf_path, prompt, max_tokens):
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(model_path=str(gguf_path), n_ctx=2048, verbose=False)
+    llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
 
     def run():
         messages = [{"role": "user", "content": prompt}]
@@ -64,10 +70,12 @@ def main():
     native = mlx_infer.load(args.model, weights="native")
     fast = mlx_infer.load(args.model, weights="float32")
     prompt_ids = native.encode(PROMPT)
+    plain_model, plain_tokenizer = mlx_lm_load(str(native.source.mlx_dir))  # MLX's own quantized matmul
     runners = {
-        "mlx-lm (native)": mlx_lm_runner(native, prompt_ids, args.max_tokens),
-        "mlx-infer (native)": mlx_infer_runner(native, prompt_ids, args.max_tokens),
-        "mlx-lm (float32)": mlx_lm_runner(fast, prompt_ids, args.max_tokens),
+        "mlx-lm (native)": mlx_lm_runner(plain_model, plain_tokenizer, prompt_ids, args.max_tokens),
+        f"mlx-infer (native, {native.source.kernels or 'MLX qmm'})": mlx_infer_runner(native, prompt_ids,
+                                                                                      args.max_tokens),
+        "mlx-lm (float32)": mlx_lm_runner(fast.model, fast.tokenizer, prompt_ids, args.max_tokens),
         "mlx-infer (float32)": mlx_infer_runner(fast, prompt_ids, args.max_tokens),
     }
     if native.source.kind in ("gguf", "default"):
@@ -97,10 +105,10 @@ def main():
     print(f"model: {native.source.name} ({native.source.path.name}); prompt {len(prompt_ids)} tokens; "
           f"{args.max_tokens} new tokens; median of {args.trials} interleaved trials")
     print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
-    print(f"{'path':<22}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
+    print(f"{'path':<34}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
     for r in rows:
         ratio = f"{r['decode_vs_mlx_lm']:.2f}x" if r["decode_vs_mlx_lm"] else "-"
-        print(f"{r['name']:<22}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['decode_tps']:>14.1f}{ratio:>11}")
+        print(f"{r['name']:<34}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['decode_tps']:>14.1f}{ratio:>11}")
     path = write_result("decode", {"machine": info, "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
                                    "trials": args.trials, "rows": rows, "raw": results})
     print(f"wrote {path}")
