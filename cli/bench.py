@@ -56,6 +56,7 @@ def bench(
             engine.generate(prompt, max_tokens=4, **kwargs[m])
         for _ in range(trials):
             for m in modes:
+                engine.reset()  # every run prefills the whole prompt (TTFT and prefill tok/s mean that)
                 runs[m].append(engine.generate(prompt, max_tokens=max_tokens, **kwargs[m]))
         rows = []
         base = statistics.median(r.stats.total_s / max(1, len(r.token_ids)) for r in runs[modes[0]])

@@ -12,6 +12,7 @@ import mlx_infer  # first: picks the optimized BLAS before mlx.core loads
 import mlx.core as mx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mlx_infer import backend
@@ -150,7 +151,7 @@ def render(info: dict) -> Table:
     if info["blas_fix"]:
         table.add_row("fix", f"[yellow]{info['blas_fix']}[/yellow]")
     if info["kernels_missing"]:
-        table.add_row("kernels", f"[yellow]off: {info['kernels_missing']}[/yellow]")
+        table.add_row("kernels", f"[yellow]off: {escape(info['kernels_missing'])}[/yellow]")
     else:
         threads = f", {info['kernel_threads']} threads" if info["kernel_threads"] else ""
         table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}")

@@ -2,6 +2,7 @@
 --verbose, exit code 1; --verbose prints the traceback first. Warnings are one `warning:` line."""
 
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -29,8 +30,10 @@ main()
 
 
 def run_broken(*args):
+    """Run the broken doctor in a fresh interpreter, from a folder outside the checkout (so that `-c` finds
+    the installed package, not the source tree's mlx_infer/, which has no cli/ inside)."""
     return subprocess.run([sys.executable, "-c", BROKEN_DOCTOR, *args], capture_output=True, text=True,
-                          env=cli_env(), timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+                          env=cli_env(), timeout=TIMEOUT_S, stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
 
 
 def test_internal_error_is_one_line_and_exit_1():
