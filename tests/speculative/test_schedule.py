@@ -1,6 +1,5 @@
 """Draft-length scheduling: cost curves, acceptance estimates, the choice of gamma, the plain fallback."""
 
-import itertools
 
 import mlx.core as mx
 import pytest
@@ -8,7 +7,7 @@ import pytest
 from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
 from mlx_infer.speculative import SpecOptions, SpecState
 from mlx_infer.speculative.cost import CostCurve, measure_cost_curve
-from mlx_infer.speculative.schedule import PROBE_EVERY, DraftScheduler, FixedGamma, expected_committed, speculation_pays
+from mlx_infer.speculative.schedule import PROBE_EVERY, DraftScheduler, expected_committed, speculation_pays
 
 
 def test_cost_curve_interpolates_and_extrapolates():
