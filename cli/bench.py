@@ -7,6 +7,7 @@ against the peers (mlx-lm, llama.cpp, mlx-dspark) are bench/decode.py and bench/
 import json
 import statistics
 import sys
+import time
 from typing import Annotated, List, Optional
 
 import typer
@@ -35,6 +36,10 @@ def bench(
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
     weights: WeightsOpt = Weights.auto,
+    concurrency: Annotated[Optional[int], typer.Option(
+        "--concurrency", "-c", min=1,
+        help="Time N copies of PROMPT decoded together (continuous batching) against the same N one after "
+             "another, instead of the --spec modes.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -46,6 +51,11 @@ def bench(
     with user_errors(verbose):
         if trials < 1 or max_tokens < 1:
             raise MlxInferError("--trials and --max-tokens must be >= 1")
+        if concurrency is not None:
+            if spec or draft_model:
+                raise MlxInferError("--concurrency times plain batched decoding: drop --spec / --draft-model")
+            engine = load_engine(model, weights.value, verbose)
+            return show_concurrency(engine, prompt, concurrency, max_tokens, trials, as_json)
         modes = [m.strip().lower() for m in spec] if spec else ["off", "auto"]
         kwargs = {m: spec_kwargs(m, draft_model if m in MODEL_MODES else None, max_draft) for m in modes}
         if draft_model and not any(m in MODEL_MODES for m in modes):
@@ -87,3 +97,49 @@ def bench(
                           f"{r['decode_tps']:.1f}", f"{r['tau']:.2f}", f"{r['speed_vs_first']:.2f}x",
                           "yes" if r["identical"] else "NO")
         Console(highlight=False).print(table)
+
+
+def show_concurrency(engine, prompt: str, n: int, max_tokens: int, trials: int, as_json: bool) -> None:
+    """`bench --concurrency N`: N copies of the prompt through Engine.generate_batch and the same N through
+    Engine.generate one after another, interleaved; total tokens/s (all tokens / wall seconds, prefill
+    included), the median of `trials`."""
+    ids = engine.encode(prompt)
+
+    def batched():
+        start = time.perf_counter()
+        out = engine.generate_batch([ids] * n, max_tokens=max_tokens)
+        return time.perf_counter() - start, [r.token_ids for r in out]
+
+    def sequential():
+        start, out = time.perf_counter(), []
+        for _ in range(n):
+            engine.reset()
+            out.append(engine.generate(ids, max_tokens=max_tokens).token_ids)
+        return time.perf_counter() - start, out
+
+    runners = {"batched": batched, "one after another": sequential}
+    for run in runners.values():  # warm-up
+        run()
+    runs = {name: [] for name in runners}
+    for _ in range(trials):
+        for name, run in runners.items():
+            runs[name].append(run())
+    rows = []
+    for name, results in runs.items():
+        wall = statistics.median(w for w, _ in results)
+        tokens = sum(len(t) for t in results[0][1])
+        rows.append({"system": name, "requests": n, "tokens": tokens, "wall_s": wall, "total_tps": tokens / wall,
+                     "identical": all(r[1] == runs["one after another"][0][1] for r in results)})
+    for r in rows:
+        r["speedup"] = r["total_tps"] / rows[1]["total_tps"]
+    if as_json:
+        sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
+                                     "trials": trials, "rows": rows}) + "\n")
+        return
+    table = Table(title=f"{engine.source.name} ({engine.source.weights} weights), {n} requests, median of {trials}")
+    for col in ("system", "tokens", "wall s", "total tok/s", "speedup", "same output"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        table.add_row(r["system"], str(r["tokens"]), f"{r['wall_s']:.2f}", f"{r['total_tps']:.1f}",
+                      f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO")
+    Console(highlight=False).print(table)

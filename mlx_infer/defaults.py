@@ -19,3 +19,5 @@ DEFAULT_MAX_DRAFT = 8
 CLEAR_CACHE_ROUNDS = 256
 #: Prompts of at least this many tokens get a prefill progress bar in the CLI (when stderr is a terminal).
 PREFILL_PROGRESS_TOKENS = 512
+#: Most requests decoded together in one batched forward (the CPU kernels' widest skinny product is 16 rows).
+MAX_BATCH = 16

@@ -6,8 +6,9 @@
         print(chunk, end="")
 """
 
+import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -16,11 +17,14 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .backend import backend_name, blas_in_use
+from .batch import BatchRequest, BatchRunner, BatchScheduler
+from .defaults import MAX_BATCH
 from .errors import MlxInferError
 from .generation.decode import plain_tokens
+from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
+from .generation.assemble import StepAssembler
 from .generation.detokenize import make_detokenizer
 from .generation.sampling import SamplingParams
-from .generation.stops import StopStringMatcher
 from .kv.defaults import BLOCK_SIZE
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
 from .kv.session import KVRequest, PagedKV, release
@@ -32,86 +36,6 @@ from .speculative.target import output_vocab
 
 Messages = Sequence[dict]
 Prompt = Union[str, Messages, Sequence[int]]
-
-
-@dataclass
-class GenerationStats:
-    """Measurements of one request.
-
-    Attributes:
-        prompt_tokens: tokens in the prompt (after the chat template).
-        generated_tokens: tokens generated (EOS not counted).
-        ttft_s: time to first token, seconds (prefill + first sample).
-        prefill_tps: prompt tokens per second of prefill.
-        decode_tps: generated tokens per second after the first one.
-        total_s: wall time of the request, seconds.
-        peak_memory_bytes: MLX's peak memory during the request, bytes.
-        cached_prompt_tokens: prompt tokens whose KV came from the previous request (a common prefix, e.g.
-            a chat's history), not prefilled again.
-        spec_mode: the drafter speculative decoding used ("lookup", "draft", "lookup+dflash", ...; "off"
-            when a speculative request decoded plainly), None when speculative decoding was not asked for.
-        tau: committed tokens per target forward (speculative only; 0 for plain decoding).
-        rounds: speculative rounds, one target forward each (0 for plain decoding).
-        draft_s: seconds spent drafting (speculative only).
-        verify_s: seconds spent in verify forwards and accept/reject (speculative only).
-        acceptance: per-position acceptance rates of the draft tokens (speculative only, else None).
-        kv: the paged KV cache's record (None with the dense cache): retained_blocks (the request's KV blocks,
-            time average over its decode steps), retained_blocks_end (at the end), retained_blocks_max (the most
-            over the decode steps, after eviction), live_tokens, waste (1 - mean
-            live fraction of its blocks, at the end), repacks, repack_s (host seconds), peak_kv_bytes (its most
-            blocks x bytes per block, all layers, K and V), block_size, evict, repack, evicted_tokens.
-    """
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    ttft_s: float = 0.0
-    prefill_tps: float = 0.0
-    decode_tps: float = 0.0
-    total_s: float = 0.0
-    peak_memory_bytes: int = 0
-    cached_prompt_tokens: int = 0
-    spec_mode: Optional[str] = None
-    tau: float = 0.0
-    rounds: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    acceptance: Optional[List[float]] = None
-    kv: Optional[dict] = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class GenerationStep:
-    """One streamed step: new text (possibly empty while a stop string or a UTF-8 sequence is
-    incomplete), the token id it came from, and on the last step the finish reason and stats."""
-
-    text: str
-    token: Optional[int]
-    finish_reason: Optional[str] = None
-    stats: Optional[GenerationStats] = None
-
-
-@dataclass
-class GenerationResult:
-    """A finished request.
-
-    Attributes:
-        text: the generated text (stop string excluded).
-        token_ids: generated token ids (EOS excluded).
-        finish_reason: "stop" (EOS or a stop string) or "length" (max_tokens or the context window).
-        stats: GenerationStats.
-    """
-
-    text: str
-    token_ids: List[int]
-    finish_reason: str
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
 
 
 @dataclass
@@ -183,6 +107,7 @@ class Engine:
         self._detokenizer = make_detokenizer(tokenizer)  # built once (it reads the vocabulary), reset per request
         self._kept: Optional[KeptCache] = None
         self._kv: Optional[PagedKV] = None
+        self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
         self.configure_kv(kv_cache, kv_budget, block_size)
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
@@ -377,10 +302,7 @@ class Engine:
                progress: Optional[Callable[[int, int], None]], evict: Optional[EvictSpec] = None,
                repack: bool = True) -> Iterator[GenerationStep]:
         """The steps of one validated request (see stream_steps)."""
-        detok = self._detokenizer
-        detok.reset()
-        stops = StopStringMatcher(params.stop)
-        eos = set(self.tokenizer.eos_token_ids)
+        asm = StepAssembler(self._detokenizer, params.stop, self.tokenizer.eos_token_ids, max_tokens)
         mx.reset_peak_memory()
         start = time.perf_counter()
         cache, cached = self._cache_for(prompt_ids)
@@ -405,8 +327,6 @@ class Engine:
         if tokens is None:  # plain decoding (asked for, or where speculation cannot pay)
             tokens = plain_tokens(self.model, prompt_ids, params, max_tokens, cache, cached, progress)
         first_at = None
-        finish, n = "length", 0
-        held_text, held_token = "", None  # the last token's step, yielded with the final one
         delivered: List[int] = []  # every token the source gave, EOS included (what the cache may hold)
         clean = False
         kv_stats = None
@@ -418,15 +338,8 @@ class Engine:
                 delivered.append(token)
                 if kv is not None:
                     kv.step()
-                if token in eos:
-                    finish = "stop"
-                    break
-                n += 1
-                detok.add_token(token)
-                text, hit = stops.feed(detok.text)
-                if hit or n >= max_tokens:
-                    finish = "stop" if hit else "length"
-                    held_text, held_token = text, token
+                text = asm.add(token)
+                if text is None:
                     break
                 yield GenerationStep(text, token)
             clean = True
@@ -445,11 +358,8 @@ class Engine:
             else:
                 release(cache)
         end = time.perf_counter()
-        if not (finish == "stop" and held_token is not None):  # no stop string hit yet
-            detok.finalize()
-            text, hit = stops.feed(detok.text)
-            held_text += text if hit else text + stops.flush(detok.text)
-            finish = "stop" if hit else finish
+        held_text, held_token, finish = asm.final()
+        n = asm.n
         first_at = first_at or end
         prefilled = len(prompt_ids) - cached
         stats = GenerationStats(
@@ -481,11 +391,81 @@ class Engine:
         Returns:
             GenerationResult with text, token ids, finish reason and stats.
         """
-        text, ids = [], []
-        for step in self.stream_steps(prompt, params, **kwargs):
-            text.append(step.text)
-            if step.token is not None:
-                ids.append(step.token)
-            if step.finish_reason is not None:
-                return GenerationResult("".join(text), ids, step.finish_reason, step.stats)
-        raise AssertionError("stream_steps ended without a final step")
+        return collect(self.stream_steps(prompt, params, **kwargs))
+
+    # ---- batched decoding (continuous batching over the block pool)
+
+    def _batch_kv(self) -> PagedKV:
+        """The pool batched requests use: the engine's paged cache, or (dense engine) a private unbounded one."""
+        if self._kv is not None:
+            return self._kv
+        if self._batch_pool is None:
+            self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE)
+        return self._batch_pool
+
+    def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit) -> BatchRequest:
+        """A validated BatchRequest (any thread: no MLX work but its random key)."""
+        if not isinstance(params, SamplingParams):
+            raise MlxInferError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = params.for_vocab(self.vocab_size)
+        prompt_ids = self.encode_fitting(list(prompt_ids))
+        max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
+        return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
+                            self.tokenizer.eos_token_ids, emit)
+
+    def scheduler(self, max_batch: int = MAX_BATCH) -> BatchScheduler:
+        """A BatchScheduler over this engine's block pool (drops the kept KV cache, whose blocks it may need).
+
+        Raises:
+            MlxInferError: max_batch < 1; UnsupportedModelError: a model whose layers are not all KV caches.
+        """
+        self.reset()
+        return BatchScheduler(self.model, self._batch_kv(), max_batch)
+
+    def batch_runner(self, max_batch: int = MAX_BATCH) -> BatchRunner:
+        """A continuous-batching decode loop on its own thread: `submit(prompt_ids, params)` from any thread
+        returns a RequestHandle to stream from or cancel (what the server uses). While it runs, use the
+        engine only through it. Close it (or use it as a context manager) when done."""
+        return BatchRunner(self.scheduler(max_batch), self._batch_request)
+
+    def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                       *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
+                       **sampling) -> List[GenerationResult]:
+        """Generate answers to several prompts decoding together (continuous batching: at most max_batch at
+        once, newcomers admitted as others finish or as the KV budget allows). Plain decoding (no speculative
+        decoding, no eviction); greedy answers equal `generate`'s up to float rounding of the batched matmul,
+        seeded ones draw from their own random key (as `generate` with that seed).
+
+        Args:
+            prompts: each as `encode` takes it.
+            params: one SamplingParams for all, one per prompt, or None; keyword arguments override fields of each.
+
+        Returns:
+            one GenerationResult per prompt, in order (stats.ttft_s counts from the call).
+
+        Raises:
+            MlxInferError: a bad prompt or parameter, params of another length than prompts; KVBudgetError:
+                a request that can never fit the KV budget (before anything runs).
+        """
+        prompts = list(prompts)
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise MlxInferError(f"{len(prompts)} prompts but {len(params)} params: give one, or one per prompt")
+        params = [p.with_(**sampling) if sampling else p for p in params]
+        ids = [self.encode_fitting(p, system, chat_template) for p in prompts]
+        sched = self.scheduler(max_batch)
+        steps: List[list] = [[] for _ in prompts]
+        requests = [self._batch_request(i, p, s.append) for i, p, s in zip(ids, params, steps)]
+        for r in requests:
+            sched.check_fits(r)
+        for r in requests:
+            sched.add(r)
+        try:
+            while sched.busy:
+                sched.step()
+        except BaseException:
+            sched.fail_all()
+            raise
+        return [collect(s) for s in steps]

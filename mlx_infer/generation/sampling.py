@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..defaults import MAX_TOKENS
 from ..errors import MlxInferError
@@ -110,6 +110,27 @@ def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     return make_sampler(
         temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
     )
+
+
+def build_keyed_sampler(params: SamplingParams) -> Callable[[mx.array, mx.array], Tuple[mx.array, mx.array]]:
+    """The sampler of `build_sampler` drawing from an explicit MLX random key instead of the global state:
+    (logprobs [B, V], key) -> (token ids [B] uint32, the next key). The same filters in mlx-lm's order (top_p,
+    min_p, top_k) and the same draw: from key(seed) it gives the tokens `build_sampler` gives after
+    mx.random.seed(seed) (MLX splits its global key the same way), so one request's samples do not depend on
+    what else draws in the process."""
+    def sample(logprobs: mx.array, key: mx.array) -> Tuple[mx.array, mx.array]:
+        if params.greedy:
+            return mx.argmax(logprobs, axis=-1), key
+        if 0 < params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        if params.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, params.min_p)
+        if params.top_k > 0:
+            logprobs = apply_top_k(logprobs, params.top_k)
+        key, draw = mx.random.split(key)
+        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw), key
+
+    return sample
 
 
 def build_logits_processors(params: SamplingParams) -> List[Callable[[mx.array, mx.array], mx.array]]:

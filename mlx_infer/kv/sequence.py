@@ -54,6 +54,18 @@ class PagedSequence:
         self.offsets[layer] = start + n
         return self._write_rows
 
+    def advance(self, layer: int, n: int) -> None:
+        """Move layer `layer`'s offset n tokens forward over slots already in the table (a batched forward
+        computes its write rows itself, kv/batch.py).
+
+        Raises:
+            MlxInferError: the table does not hold those n tokens.
+        """
+        if self.offsets[layer] + n > self.table.length:
+            raise MlxInferError(
+                f"layer {layer} advances to {self.offsets[layer] + n} tokens but the table holds {self.table.length}")
+        self.offsets[layer] += n
+
     def trim(self, layer: int, n: int) -> int:
         """Roll layer `layer` back n tokens; the table drops the tokens no layer holds any more."""
         n = max(0, min(n, self.offsets[layer]))

@@ -55,9 +55,11 @@ class PagedKV:
         """A fresh request's per-layer caches over the pool (mlx-lm's prompt_cache protocol)."""
         return make_paged_cache(self.model, self.pool)
 
-    def _configure(self) -> None:
+    def ensure_layout(self) -> None:
         """Fix the pool's layout before the first request (its budget in blocks needs it): the K/V shape and
-        dtype of one token through a dense mlx-lm cache."""
+        dtype of one token through a dense mlx-lm cache. Does nothing once it is known."""
+        if self.pool.layout is not None:
+            return
         dense = make_prompt_cache(self.model)
         self.model(mx.array([[0]]), cache=dense)
         keys, values = dense[0].keys, dense[0].values  # [1, n_kv, L, k_dim], [1, n_kv, L, v_dim]
@@ -69,8 +71,7 @@ class PagedKV:
         nothing for the kept prefix (it is part of the same blocks)."""
         if self.pool.budget_bytes is None:
             return
-        if self.pool.layout is None:
-            self._configure()
+        self.ensure_layout()
         tokens = prompt_tokens + (1 if evicting else new_tokens)
         need, most = math.ceil(tokens / self.block_size), self.pool.max_blocks
         other = self.pool.blocks_in_use - len(cache[0].sequence.table.blocks)

@@ -1,0 +1,117 @@
+"""BatchRequest: one request of batched decoding, from its prompt to its last GenerationStep."""
+
+import time
+from typing import Callable, List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import StreamingDetokenizer
+
+from ..generation.assemble import StepAssembler
+from ..generation.results import GenerationStats, GenerationStep
+from ..generation.sampling import SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler
+
+Emit = Callable[[Union[GenerationStep, BaseException]], None]
+
+
+class BatchRequest:
+    """A validated request waiting for, or in, the batch.
+
+    Args:
+        prompt_ids: the prompt, token ids (non-empty, shorter than the context window).
+        params: its sampling parameters (validated, `for_vocab` applied).
+        max_tokens: most tokens to generate (params.max_tokens capped by the context window).
+        detokenizer: its own streaming detokenizer (not shared with another live request).
+        eos: end-of-sequence token ids.
+        emit: called with each GenerationStep, the last one with finish_reason and stats, or with an
+            exception when the request failed (on the scheduler's thread).
+
+    With a seed, the request draws from its own MLX random key (mx.random.key(seed)), so its samples do not
+    depend on what else is in the batch, and equal a single request's with the same seed.
+    """
+
+    def __init__(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
+                 detokenizer: StreamingDetokenizer, eos, emit: Emit):
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.assembler = StepAssembler(detokenizer, params.stop, eos, max_tokens)
+        self.emit = emit
+        self.sampler = build_sampler(params)
+        self.keyed_sampler = build_keyed_sampler(params)
+        self.processors = build_logits_processors(params)
+        self.key: Optional[mx.array] = mx.random.key(params.seed) if params.seed is not None else None
+        self.generated: List[int] = []  # every sampled token (EOS included)
+        self.cache: Optional[list] = None  # per-layer PagedKVCache, once admitted
+        self.reserved_blocks = 0
+        self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache
+        self.cancelled = False
+        self.finished = False
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: Optional[float] = None  # when its prefill began
+        self.first_at: Optional[float] = None
+
+    @property
+    def greedy_plain(self) -> bool:
+        """Greedy with no logits processor: its token is the argmax of its logits row."""
+        return self.params.greedy and not self.processors
+
+    @property
+    def sequence(self):
+        return self.cache[0].sequence
+
+    def sample(self, logits: mx.array, pending: Optional[mx.array] = None) -> mx.array:
+        """The next token from this request's logits [1, V] (as mlx-lm's generate_step: processors, then
+        log-softmax, then the sampler): uint32 [1], lazy. pending: the token [1] sampled but not yet accepted
+        (a pipelined step), part of the history the logits processors see."""
+        if self.processors:
+            history = mx.array((self.prompt_ids + self.generated)[-self.params.repetition_context_size:], mx.uint32)
+            if pending is not None:
+                history = mx.concatenate([history, pending.astype(mx.uint32)])[-self.params.repetition_context_size:]
+            for p in self.processors:
+                logits = p(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.key is None:
+            return self.sampler(logprobs)
+        token, self.key = self.keyed_sampler(logprobs, self.key)
+        return token
+
+    def accept(self, token: int) -> bool:
+        """Deliver a sampled token; True when the request has ended (its final step emitted)."""
+        self.first_at = self.first_at or time.perf_counter()
+        self.generated.append(token)
+        text = self.assembler.add(token)
+        if text is not None:
+            self.emit(GenerationStep(text, token))
+            return False
+        self.finish()
+        return True
+
+    def finish(self, cancelled: bool = False) -> None:
+        """Emit the final step: finish_reason "stop" / "length" (or "cancelled": the text so far, nothing
+        held back), and stats."""
+        if self.finished:
+            return
+        self.finished = True
+        end = time.perf_counter()
+        text, token, reason = self.assembler.final()
+        reason = "cancelled" if cancelled else reason
+        first = self.first_at or end
+        n = self.assembler.n
+        began = self.admitted_at or self.submitted_at
+        stats = GenerationStats(
+            prompt_tokens=len(self.prompt_ids),
+            generated_tokens=n,
+            ttft_s=first - self.submitted_at,
+            prefill_tps=(len(self.prompt_ids) - self.cached_tokens) / (first - began) if first > began else 0.0,
+            decode_tps=(n - 1) / (end - first) if n > 1 and end > first else 0.0,
+            total_s=end - self.submitted_at,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+            cached_prompt_tokens=self.cached_tokens,
+        )
+        self.emit(GenerationStep(text, token, finish_reason=reason, stats=stats))
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with an error (emitted in the place of its final step)."""
+        if not self.finished:
+            self.finished = True
+            self.emit(error)

@@ -1,0 +1,143 @@
+"""BatchRunner: a BatchScheduler on its own thread, fed from any thread (the server's decode loop).
+
+    with engine.batch_runner() as runner:
+        handle = runner.submit(prompt_ids, params)       # from any thread
+        for step in handle:                              # GenerationStep, the last with finish_reason
+            ...
+        handle.cancel()                                  # e.g. the client went away: its blocks are freed
+
+All MLX work (prefill, decode, sampling) runs on the runner's thread (MLX streams belong to the thread that
+made them); callers only put requests in and read steps out of per-request queues.
+"""
+
+import queue
+import threading
+from typing import Callable, Iterator, Optional
+
+from ..errors import MlxInferError
+from ..generation.results import GenerationResult, GenerationStep, collect
+from .request import BatchRequest
+from .scheduler import BatchScheduler
+
+#: Seconds the idle runner thread waits for a request before checking whether it was closed.
+IDLE_POLL_S = 0.1
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its GenerationSteps; `cancel()` ends it (from any thread).
+
+    Iterating raises MlxInferError when the runner failed the request (an error in a forward, or the runner
+    closed before it finished)."""
+
+    def __init__(self):
+        self._steps: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.request: Optional[BatchRequest] = None
+        self._runner: Optional["BatchRunner"] = None
+
+    def _put(self, item) -> None:
+        self._steps.put(item)
+
+    def __iter__(self) -> Iterator[GenerationStep]:
+        while True:
+            item = self._steps.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def get(self, timeout: Optional[float] = None) -> GenerationStep:
+        """The next step (blocking; queue.Empty after `timeout` seconds)."""
+        item = self._steps.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Stop the request at the next step boundary; its KV blocks go back to the pool then."""
+        if self.request is not None:
+            self.request.cancelled = True
+        if self._runner is not None:
+            self._runner.wake()
+
+    def result(self) -> GenerationResult:
+        """Wait for the whole answer (raises as iterating)."""
+        return collect(self)
+
+
+class BatchRunner:
+    """Runs `scheduler` on a daemon thread until `close()`.
+
+    Args:
+        scheduler: the BatchScheduler (used by this thread only from now on).
+        make_request: (prompt_ids, params, emit) -> BatchRequest, validating on the caller's thread.
+    """
+
+    def __init__(self, scheduler: BatchScheduler, make_request: Callable[..., BatchRequest]):
+        self.scheduler = scheduler
+        self._make_request = make_request
+        self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mlx-infer-batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids, params) -> RequestHandle:
+        """Queue a request (token ids and SamplingParams); returns its handle at once.
+
+        Raises:
+            MlxInferError: the runner is closed, or the request is invalid (as Engine.stream_steps);
+                KVBudgetError: it can never fit the KV budget.
+        """
+        if self._closed.is_set():
+            raise MlxInferError("the batch runner is closed")
+        handle = RequestHandle()
+        handle.request = self._make_request(prompt_ids, params, handle._put)
+        handle._runner = self
+        self.scheduler.check_fits(handle.request)
+        self._inbox.put(handle.request)
+        return handle
+
+    def wake(self) -> None:
+        self._inbox.put(None)
+
+    def _take(self, req: Optional[BatchRequest]) -> None:
+        if req is not None:
+            try:
+                self.scheduler.add(req)
+            except MlxInferError as e:
+                req.fail(e)
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._closed.is_set():
+            if not sched.busy:
+                try:
+                    self._take(self._inbox.get(timeout=IDLE_POLL_S))
+                except queue.Empty:
+                    continue
+            while True:
+                try:
+                    self._take(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not sched.busy:
+                continue
+            try:
+                sched.step()
+            except Exception as e:  # a failed forward: every request in it is told, the runner goes on
+                for r in sched.fail_all():
+                    r.fail(MlxInferError(f"generation failed: {e}"))
+        for r in sched.fail_all():
+            r.fail(MlxInferError("the runner was closed before the request finished"))
+
+    def close(self) -> None:
+        """Stop the thread (unfinished requests get an MlxInferError) and wait for it."""
+        self._closed.set()
+        self.wake()
+        self._thread.join()
+
+    def __enter__(self) -> "BatchRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

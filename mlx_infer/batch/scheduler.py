@@ -1,0 +1,201 @@
+"""BatchScheduler: continuous batching over one block pool (Orca, OSDI '22; vLLM, arXiv 2309.06180).
+
+Each `step()`: drop cancelled requests, admit waiting ones while the KV budget allows (in arrival order),
+prefill the newcomers together (left-padded rows of one batched forward, kv/batch.py: the weights are read
+once for all of them) and sample each one's first token, then run one batched forward of one token for every
+running request and sample each row with the request's own parameters; finished requests leave at once and
+their blocks go back to the pool. Decode is pipelined: the next forward is built and started before the
+previous one's tokens are read back (see _launch).
+
+Admission reserves a request's worst case, ceil((prompt + max_tokens) / block_size) blocks, so a running
+request never runs out of KV blocks mid-decode (no preemption needed); a request whose worst case exceeds the
+whole budget is refused at submit (KVBudgetError), one that fits later waits.
+"""
+
+import math
+import time
+from collections import deque
+from typing import Deque, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..defaults import MAX_BATCH, PREFILL_STEP_SIZE
+from ..errors import MlxInferError
+from ..kv.batch import BatchStep
+from ..kv.errors import KVBudgetError
+from ..kv.session import PagedKV, release
+from .request import BatchRequest
+
+
+class BatchScheduler:
+    """Requests decoding together on `model` over the block pool of `kv`. Not thread-safe (BatchRunner runs
+    it on one thread).
+
+    Args:
+        model: an mlx-lm model whose layer caches are all KVCache-like (make_paged_cache accepts it).
+        kv: the PagedKV (block pool and budget) the requests' caches live in.
+        max_batch: most requests decoding at once (>= 1).
+
+    Raises:
+        MlxInferError: max_batch < 1.
+    """
+
+    def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise MlxInferError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.model, self.kv, self.max_batch = model, kv, max_batch
+        self.waiting: Deque[BatchRequest] = deque()
+        self.running: List[BatchRequest] = []
+        self.steps = 0  # batched decode forwards run
+        # the decode forward in flight: its requests and their sampled tokens [B] (lazy, being evaluated)
+        self._inflight: Optional[Tuple[List[BatchRequest], mx.array]] = None
+        kv.ensure_layout()
+        release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self._inflight)
+
+    def blocks_needed(self, req: BatchRequest) -> int:
+        return math.ceil((len(req.prompt_ids) + req.max_tokens) / self.kv.block_size)
+
+    def check_fits(self, req: BatchRequest) -> None:
+        """Raise KVBudgetError when the request's prompt and max_tokens can never fit the KV budget (reads
+        only the budget: safe from any thread)."""
+        need, most = self.blocks_needed(req), self.kv.pool.max_blocks
+        if most is not None and need > most:
+            raise KVBudgetError(
+                f"the request needs {need} KV blocks of {self.kv.block_size} tokens ({len(req.prompt_ids)} prompt + "
+                f"{req.max_tokens} new) but the KV budget of {self.kv.pool.budget_bytes / 2**20:.1f} MiB holds "
+                f"{most}: raise kv_budget or lower max_tokens")
+
+    def add(self, req: BatchRequest) -> None:
+        """Queue a request. Raises KVBudgetError as check_fits."""
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    def _room(self) -> float:
+        """Blocks an admission may still reserve: free blocks minus what running requests may yet take."""
+        free = self.kv.pool.free_blocks
+        if free is None:
+            return math.inf
+        promised = sum(r.reserved_blocks - len(r.sequence.table.blocks) for r in self.running)
+        return free - promised
+
+    def step(self) -> None:
+        """Admit, prefill, and decode once (see the module docstring); emits each request's steps."""
+        for r in [r for r in self.running if r.cancelled]:
+            r.finish(cancelled=True)
+            self._leave(r)
+        for r in [r for r in self.waiting if r.cancelled]:
+            r.finish(cancelled=True)
+            self.waiting.remove(r)
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch and self.blocks_needed(self.waiting[0]) <= self._room():
+            req = self.waiting.popleft()
+            req.reserved_blocks = self.blocks_needed(req)
+            req.cache = self.kv.new_cache()
+            self.running.append(req)
+            admitted.append(req)
+        if admitted:
+            try:
+                firsts = self._prefill(admitted)
+            except Exception:
+                for r in admitted:
+                    self._leave(r)
+                raise
+            for r, token in zip(admitted, firsts):
+                if r.accept(token):
+                    self._leave(r)
+        previous, self._inflight = self._inflight, None
+        if self.running:
+            self._inflight = self._launch(previous)
+        if previous is not None:
+            self._deliver(*previous)
+
+    def _prefill(self, reqs: List[BatchRequest]) -> List[int]:
+        """Prefill the newcomers' prompts together (batched forwards of at most PREFILL_STEP_SIZE tokens in
+        all, each request a left-padded row) and sample each one's first token."""
+        now = time.perf_counter()
+        todo = {}
+        for r in reqs:
+            r.admitted_at = now
+            todo[r] = r.prompt_ids[r.cached_tokens:]
+        pool, firsts = self.kv.pool, {}
+        while todo:
+            active = list(todo)
+            width = max(1, PREFILL_STEP_SIZE // len(active))
+            logits = self._forward(active, [todo[r][:width] for r in active])  # [B, L, V]
+            ending = [(b, r) for b, r in enumerate(active) if len(todo[r]) <= width]
+            for r in active:
+                todo[r] = todo[r][width:]
+                if not todo[r]:
+                    del todo[r]
+            tokens = [r.sample(logits[b:b + 1, -1, :]) for b, r in ending]  # [1] each
+            mx.eval(tokens + [a for a in pool.keys + pool.values if a is not None])
+            firsts.update((r, int(t.item())) for (_, r), t in zip(ending, tokens))
+        return [firsts[r] for r in reqs]
+
+    def _forward(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array] = None) -> mx.array:
+        """Logits [B, L, V] of one forward of chunks[b] (token ids) for each request (left-padded rows, see
+        kv/batch.py); `inputs` [B, L], when given, replaces the ids (chunks then give only the lengths). A lone
+        request runs on its own paged cache (a contiguous view instead of a gather, and MLX's causal mask: 9%
+        less time per decode step on the default model)."""
+        if len(reqs) == 1:
+            return self.model(mx.array(chunks[0])[None] if inputs is None else inputs, cache=reqs[0].cache)
+        step = BatchStep([r.sequence for r in reqs], [len(c) for c in chunks])
+        logits = self.model(step.inputs(chunks) if inputs is None else inputs, cache=step.caches())
+        step.done()
+        return logits
+
+    def _launch(self, previous: Optional[Tuple[List[BatchRequest], mx.array]]):
+        """Build the next decode forward and start evaluating it (mx.async_eval), before the tokens of the
+        previous one are read back, so that building one step overlaps computing the other (as mlx-lm's
+        generate_step). Its input is each running request's newest token: the previous forward's sampled row
+        (still lazy) or, for a newcomer, its first token. A request whose pending token is its last
+        (max_tokens) is left out; one that the pending token ends otherwise (EOS, a stop string) wastes one
+        row, discarded when it leaves. Returns (requests, sampled tokens [B]) or None."""
+        rows = {id(r): b for b, r in enumerate(previous[0])} if previous is not None else {}
+        batch, inputs = [], []
+        for r in self.running:
+            b = rows.get(id(r))
+            if b is None:
+                batch.append(r)
+                inputs.append(mx.array([r.generated[-1]], mx.uint32))
+            elif len(r.generated) + 1 < r.max_tokens:
+                batch.append(r)
+                inputs.append(previous[1][b:b + 1].astype(mx.uint32))
+        if not batch:
+            return None
+        logits = self._forward(batch, [[0]] * len(batch), mx.concatenate(inputs)[:, None])[:, -1, :]  # [B, V]
+        if all(r.greedy_plain for r in batch):
+            sampled = mx.argmax(logits, axis=-1)  # [B]
+        else:
+            sampled = mx.concatenate([r.sample(logits[b:b + 1], inputs[b]) for b, r in enumerate(batch)])  # [B]
+        mx.async_eval(sampled)
+        self.steps += 1
+        return batch, sampled
+
+    def _deliver(self, batch: List[BatchRequest], sampled: mx.array) -> None:
+        """Read back a decode forward's tokens and hand each to its request (if it is still running)."""
+        for r, t in zip(batch, sampled.tolist()):
+            if r in self.running and r.accept(int(t)):
+                self._leave(r)
+
+    def _leave(self, req: BatchRequest) -> None:
+        """A request ends (finished, cancelled or failed): out of the batch, its blocks back to the pool."""
+        if req in self.running:
+            self.running.remove(req)
+        release(req.cache)
+        req.cache = None
+
+    def fail_all(self) -> List[BatchRequest]:
+        """Drop every request (after an error inside a forward: the batch's caches are in an unknown state);
+        returns them so that their callers can be told."""
+        self._inflight = None
+        dropped = self.running + list(self.waiting)
+        for r in list(self.running):
+            self._leave(r)
+        self.waiting.clear()
+        return dropped

@@ -1,0 +1,98 @@
+"""What a request gives back: GenerationStats (its measurements), GenerationStep (one streamed token) and
+GenerationResult (a finished request)."""
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, List, Optional
+
+
+@dataclass
+class GenerationStats:
+    """Measurements of one request.
+
+    Attributes:
+        prompt_tokens: tokens in the prompt (after the chat template).
+        generated_tokens: tokens generated (EOS not counted).
+        ttft_s: time to first token, seconds (prefill + first sample).
+        prefill_tps: prompt tokens per second of prefill.
+        decode_tps: generated tokens per second after the first one.
+        total_s: wall time of the request, seconds.
+        peak_memory_bytes: MLX's peak memory during the request, bytes.
+        cached_prompt_tokens: prompt tokens whose KV came from the previous request (a common prefix, e.g.
+            a chat's history), not prefilled again.
+        spec_mode: the drafter speculative decoding used ("lookup", "draft", "lookup+dflash", ...; "off"
+            when a speculative request decoded plainly), None when speculative decoding was not asked for.
+        tau: committed tokens per target forward (speculative only; 0 for plain decoding).
+        rounds: speculative rounds, one target forward each (0 for plain decoding).
+        draft_s: seconds spent drafting (speculative only).
+        verify_s: seconds spent in verify forwards and accept/reject (speculative only).
+        acceptance: per-position acceptance rates of the draft tokens (speculative only, else None).
+        kv: the paged KV cache's record (None with the dense cache): retained_blocks (the request's KV blocks,
+            time average over its decode steps), retained_blocks_end (at the end), retained_blocks_max (the most
+            over the decode steps, after eviction), live_tokens, waste (1 - mean
+            live fraction of its blocks, at the end), repacks, repack_s (host seconds), peak_kv_bytes (its most
+            blocks x bytes per block, all layers, K and V), block_size, evict, repack, evicted_tokens.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    total_s: float = 0.0
+    peak_memory_bytes: int = 0
+    cached_prompt_tokens: int = 0
+    spec_mode: Optional[str] = None
+    tau: float = 0.0
+    rounds: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    acceptance: Optional[List[float]] = None
+    kv: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationStep:
+    """One streamed step: new text (possibly empty while a stop string or a UTF-8 sequence is
+    incomplete), the token id it came from, and on the last step the finish reason and stats."""
+
+    text: str
+    token: Optional[int]
+    finish_reason: Optional[str] = None
+    stats: Optional[GenerationStats] = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+        text: the generated text (stop string excluded).
+        token_ids: generated token ids (EOS excluded).
+        finish_reason: "stop" (EOS or a stop string) or "length" (max_tokens or the context window).
+        stats: GenerationStats.
+    """
+
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+def collect(steps: Iterable[GenerationStep]) -> GenerationResult:
+    """The GenerationResult of a request's steps (text joined, token ids, the last step's finish reason and
+    stats). Raises ValueError when the steps end without a final one."""
+    text, ids = [], []
+    for step in steps:
+        text.append(step.text)
+        if step.token is not None:
+            ids.append(step.token)
+        if step.finish_reason is not None:
+            return GenerationResult("".join(text), ids, step.finish_reason, step.stats)
+    raise ValueError("the request's steps ended without a final step")

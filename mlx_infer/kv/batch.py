@@ -1,0 +1,157 @@
+"""One batched forward over several requests' paged caches: BatchStep plans it (n_b new tokens for request
+b: one each when decoding, a prompt chunk each when prefilling newcomers together), BatchLayerCache is what
+each layer of the model sees (mlx-lm's cache protocol with a batch axis).
+
+    step = BatchStep([req.sequence for req in running], [1] * B)   # appends the slots (may grow the pool)
+    logits = model(step.inputs(tokens), cache=step.caches())       # [B, L, V]
+    step.done()
+
+Inputs are left-padded to L = max n_b: request b's tokens fill the last n_b columns, so every row's last
+column is a real token (its next-token logits). RoPE positions are per row (an int32 [B] `offset`, which
+mlx's `fast.rope` takes per batch row): row b starts at its logical length minus its padding, so its real
+tokens get their own positions (eviction keeps original positions here too). Each layer writes the real
+tokens' K/V into the pool with one scatter and gathers every request's live tokens (the new ones included)
+with one `mx.take` into [B, n_kv, S, D], right-padded; a bool mask [B, 1, L, S] hides padding, keys after
+the query (causal, by original position) and keys outside a sliding window. The gather index is built once
+per step and shared by all layers (they hold the same slots).
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import MlxInferError
+from .sequence import PagedSequence
+
+
+class BatchStep:
+    """The plan of one forward of lengths[b] new tokens for each of B requests sharing a BlockPool.
+
+    Args:
+        sequences: the requests' PagedSequences (between forwards, the pool's layout configured).
+        lengths: new tokens per request (each >= 1).
+
+    Raises:
+        KVBudgetError: the pool cannot hold the new tokens (nothing is appended then).
+        MlxInferError: sequences of different pools, one in the middle of a forward, or a length < 1.
+    """
+
+    def __init__(self, sequences: List[PagedSequence], lengths: Sequence[int]):
+        if not sequences or len(lengths) != len(sequences) or min(lengths) < 1:
+            raise MlxInferError("a batched step needs at least one request, each with >= 1 new token")
+        self.sequences, self.lengths = sequences, [int(n) for n in lengths]
+        self.pool = pool = sequences[0].pool
+        if any(s.pool is not pool for s in sequences) or not all(s.ready() for s in sequences):
+            raise MlxInferError("a batched step needs requests of one pool, each between forwards")
+        starts = [s.table.length for s in sequences]
+        new_slots: List[np.ndarray] = []
+        try:
+            for s, n in zip(sequences, self.lengths):  # allocation (and pool growth) before any row is computed
+                new_slots.append(s.table.append(n))
+        except Exception:
+            for s, n in zip(sequences, self.lengths[:len(new_slots)]):
+                s.table.truncate(s.table.length - n)
+            raise
+        B, L = len(sequences), max(self.lengths)
+        n_kv = pool.layout[0]
+        heads = np.arange(n_kv, dtype=np.int64) * (pool.capacity * pool.block_size)  # [n_kv]
+        pads = np.array([L - n for n in self.lengths], np.int64)  # [B]
+        # the real tokens of keys [B, n_kv, L, D] flattened, (b, h, t) order, and their pool rows
+        src = [(b * n_kv + np.arange(n_kv)[:, None]) * L + pads[b] + np.arange(n)[None]
+               for b, n in enumerate(self.lengths)]
+        dst = [heads[:, None] + sl[None] for sl in new_slots]
+        self.write_rows = mx.array(np.concatenate([d.reshape(-1) for d in dst]).astype(np.int32))
+        self.read_real = None if (pads == 0).all() else mx.array(np.concatenate([x.reshape(-1) for x in src]).astype(np.int32))
+        slots = [s.table.live_slots() for s in sequences]
+        positions = [s.table.live_tokens() for s in sequences]
+        S = max(len(x) for x in slots)
+        index = np.zeros((B, n_kv, S), np.int64)
+        kpos = np.full((B, S), -1, np.int64)
+        for b, (sl, p) in enumerate(zip(slots, positions)):
+            index[b, :, :len(sl)] = heads[:, None] + sl[None]
+            kpos[b, :len(p)] = p
+        self.index = mx.array(index.reshape(-1).astype(np.int32))  # [B * n_kv * S]
+        self.shape = (B, n_kv, L, S)
+        self._kpos = kpos  # [B, S] original positions of the keys, -1 = padding
+        self._qpos = np.array(starts, np.int64)[:, None] - pads[:, None] + np.arange(L)[None]  # [B, L]
+        self.offset = mx.array((np.array(starts) - pads).astype(np.int32))  # [B] RoPE position of column 0
+        self._masks: Dict[Optional[int], mx.array] = {}
+
+    def inputs(self, tokens: Sequence[Sequence[int]]) -> mx.array:
+        """The forward's input ids [B, L] uint32: request b's n_b tokens, left-padded with its first token."""
+        B, _, L, _ = self.shape
+        if [len(t) for t in tokens] != self.lengths:
+            raise MlxInferError(f"the step plans {self.lengths} new tokens, got {[len(t) for t in tokens]}")
+        return mx.array([[t[0]] * (L - len(t)) + list(t) for t in tokens], mx.uint32)
+
+    def mask(self, window_size: Optional[int]) -> mx.array:
+        """bool [B, 1, L, S]: the live keys each query sees: its request's, at or before its position, and
+        with a sliding window less than window_size positions back. A padding query sees its request's
+        first key (a finite softmax; its output is never used)."""
+        if window_size not in self._masks:
+            q, k = self._qpos[:, :, None], self._kpos[:, None, :]  # [B, L, 1], [B, 1, S]
+            visible = (k >= 0) & (k <= q)
+            if window_size is not None:
+                visible &= q < k + window_size
+            visible[:, :, 0] |= ~visible.any(axis=2)
+            self._masks[window_size] = mx.array(visible)[:, None]
+        return self._masks[window_size]
+
+    def caches(self) -> List["BatchLayerCache"]:
+        """One cache per layer of the model, for `model(inputs, cache=...)`."""
+        return [BatchLayerCache(self, layer) for layer in range(self.pool.num_layers)]
+
+    def done(self) -> None:
+        """After the forward: every request's layers stand at its table's end.
+
+        Raises:
+            MlxInferError: a layer of the model did not write its tokens.
+        """
+        for s in self.sequences:
+            if not s.ready():
+                raise MlxInferError("a batched forward ended with a layer that did not write its tokens")
+
+
+class BatchLayerCache:
+    """Layer `layer`'s cache for a BatchStep's forward (mlx-lm's protocol: `offset`, `update_and_fetch`,
+    `make_mask`)."""
+
+    def __init__(self, step: BatchStep, layer: int):
+        self.step, self.layer = step, layer
+
+    @property
+    def offset(self) -> mx.array:
+        """int32 [B]: each row's RoPE position of its input's column 0."""
+        return self.step.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """Write the real tokens of keys [B, n_kv, L, k_dim] / values [B, n_kv, L, v_dim] and return every
+        request's live keys [B, n_kv, S, k_dim] and values [B, n_kv, S, v_dim], right-padded (see mask).
+
+        Raises:
+            MlxInferError: inputs of another shape than the step planned.
+        """
+        step, pool = self.step, self.step.pool
+        B, n_kv, L, S = step.shape
+        if keys.shape[:3] != (B, n_kv, L):
+            raise MlxInferError(f"the batched step planned keys [{B}, {n_kv}, {L}, D], got {keys.shape}")
+        k_new, v_new = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [B*n_kv*L, D]
+        if step.read_real is not None:
+            k_new, v_new = mx.take(k_new, step.read_real, axis=0), mx.take(v_new, step.read_real, axis=0)
+        pool.write(self.layer, step.write_rows, k_new, v_new)
+        for s, n in zip(step.sequences, step.lengths):
+            s.advance(self.layer, n)
+        k = mx.take(pool.keys[self.layer], step.index, axis=0).reshape(B, n_kv, S, -1)
+        v = mx.take(pool.values[self.layer], step.index, axis=0).reshape(B, n_kv, S, -1)
+        return k, v
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        """bool [B, 1, L, S] (BatchStep.mask).
+
+        Raises:
+            MlxInferError: N other than the step's L.
+        """
+        if N != self.step.shape[2]:
+            raise MlxInferError(f"the batched step planned {self.step.shape[2]} query columns, got {N}")
+        return self.step.mask(window_size)

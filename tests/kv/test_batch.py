@@ -1,0 +1,164 @@
+"""Batched decoding (continuous batching over the block pool): the same tokens as each request alone,
+requests joining and leaving, the KV budget, the threaded runner and cancellation."""
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_infer
+from gguf_factory import MODEL_TYPES
+from mlx_infer import SamplingParams
+from mlx_infer.errors import MlxInferError
+from mlx_infer.kv import KVBudgetError, make_paged_cache, make_pool
+from mlx_infer.kv.batch import BatchStep
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
+           "Explain what a CPU does in one sentence.", "Say hi.", "Count from one to ten."]
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf):
+    """The default model as users load it (quantized weights on the kernels), its own engine (the batch
+    tests change its KV configuration)."""
+    return mlx_infer.load()
+
+
+def batched_forward(model, caches, chunks):
+    """One BatchStep forward of `chunks` (token lists) over the requests' paged caches: last-column logits
+    [B, V] as float32 numpy."""
+    step = BatchStep([c[0].sequence for c in caches], [len(t) for t in chunks])
+    out = model(step.inputs(chunks), cache=step.caches())[:, -1]  # [B, V]
+    step.done()
+    return np.array(out.astype(mx.float32))
+
+
+@pytest.mark.parametrize("arch", list(MODEL_TYPES))
+def test_batched_logits_equal_each_alone(tiny_models, arch):
+    """Three requests of different lengths prefilled together (two left-padded batched forwards: 6 tokens
+    each, then the rest of the two longer ones), then decoded in one batched forward per step: each row's
+    logits equal that request run alone on mlx-lm's dense cache (gemma3: 5 sliding-window layers of 8 with
+    prompts longer than the window; block size 4 so requests span many blocks)."""
+    model = tiny_models[arch]
+    prompts = [[5, 17, 260, 99, 3, 101, 42, 7, 255, 12, 64], [200, 31, 8], [150, 11, 90, 2, 33, 70, 9, 1, 4, 6, 8, 10, 12, 14]]
+    pool = make_pool(model, block_size=4)
+    paged = [make_paged_cache(model, pool) for _ in prompts]
+    dense = [make_prompt_cache(model) for _ in prompts]
+    want = np.stack([np.array(model(mx.array(ids)[None], cache=d)[0, -1].astype(mx.float32)) for ids, d in zip(prompts, dense)])
+    k, v = dense[0][0].keys, dense[0][0].values  # [1, n_kv, L, D]: the pool's layout (a BatchStep needs it)
+    pool.configure(k.shape[1], k.shape[3], v.shape[3], k.dtype)
+    first = batched_forward(model, paged, [p[:6] for p in prompts])
+    rest = batched_forward(model, [paged[0], paged[2]], [prompts[0][6:], prompts[2][6:]])
+    got = np.stack([rest[0], first[1], rest[1]])
+    tol = 1e-5 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    last = [int(t) for t in want.argmax(-1)]
+    for _ in range(6):
+        got = batched_forward(model, paged, [[t] for t in last])
+        want = np.stack([np.array(model(mx.array([[t]]), cache=d)[0, -1].astype(mx.float32)) for t, d in zip(last, dense)])
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+        last = [int(t) for t in want.argmax(-1)]
+    assert [c[0].offset for c in paged] == [len(p) + 6 for p in prompts]
+    assert pool.blocks_in_use == sum(-(-(len(p) + 6) // 4) for p in prompts)
+
+
+def test_generate_batch_greedy_equals_generate(engine):
+    """Different prompts, max_tokens and stop strings: every answer equals `generate` alone."""
+    params = [SamplingParams(max_tokens=n, stop=stop) for n, stop in
+              zip([24, 9, 30, 16, 5, 40], [(), (), ("\n",), (), (), ("five",)])]
+    want = [engine.generate(p, q) for p, q in zip(PROMPTS, params)]
+    got = engine.generate_batch(PROMPTS, params)
+    for g, w in zip(got, want):
+        assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
+        assert g.stats.generated_tokens == w.stats.generated_tokens
+    assert {w.finish_reason for w in want} == {"stop", "length"}  # both endings are exercised
+
+
+def test_generate_batch_sampled_with_seed_equals_generate(engine):
+    """Seeded sampling draws from each request's own key: the same tokens as `generate` with that seed,
+    whatever else is in the batch; a repetition penalty looks back over the request's own tokens."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=20) for s in (1, 2, 3)]
+    params.append(SamplingParams(repetition_penalty=1.3, max_tokens=20))
+    want = [engine.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
+    got = [r.token_ids for r in engine.generate_batch(PROMPTS[:4], params)]
+    assert got == want
+    assert len({tuple(t) for t in want[:3]}) == 3
+
+
+def test_requests_join_and_leave(engine):
+    """max_batch 2 with six requests: never more than two decode together, each newcomer joins as one
+    finishes, and every answer equals the request alone."""
+    sched = engine.scheduler(max_batch=2)
+    steps = [[] for _ in PROMPTS]
+    lengths = [3, 12, 6, 9, 4, 7]
+    for p, n, out in zip(PROMPTS, lengths, steps):
+        sched.add(engine._batch_request(engine.encode(p), SamplingParams(max_tokens=n), out.append))
+    widths = []
+    while sched.busy:
+        sched.step()
+        widths.append(len(sched.running))
+    assert max(widths) == 2 and engine._batch_kv().pool.blocks_in_use == 0
+    for p, n, out in zip(PROMPTS, lengths, steps):
+        assert [s.token for s in out if s.token is not None] == engine.generate(p, max_tokens=n).token_ids
+
+
+def test_kv_budget_admission(default_gguf):
+    """A budget that can never hold a request refuses it before anything runs; one that holds a single
+    request at a time runs them one after another, each finishing."""
+    engine = mlx_infer.load(kv_cache="paged", kv_budget="10MB", block_size=16)
+    with pytest.raises(KVBudgetError, match="raise kv_budget or lower max_tokens"):
+        engine.generate_batch(["Hi", "Tell me a story"], max_tokens=2000)
+    assert engine.kv_pool.blocks_in_use == 0
+    sched = engine.scheduler()
+    # a block is 30 layers x K, V x 3 heads x 64 x 16 tokens x 4 bytes: 10 MB holds 13, a request of ~160 tokens 10
+    assert engine.kv_pool.max_blocks == 10_000_000 // engine.kv_pool.block_bytes == 13
+    outs = [[], []]
+    for p, out in zip(PROMPTS[:2], outs):
+        sched.add(engine._batch_request(engine.encode(p), SamplingParams(max_tokens=120), out.append))
+    widths = []
+    while sched.busy:
+        sched.step()
+        widths.append(len(sched.running))
+    assert max(widths) == 1 and all(o[-1].finish_reason for o in outs)
+    assert engine.kv_pool.peak_blocks <= engine.kv_pool.max_blocks
+
+
+def test_runner_threads_and_cancel(engine):
+    """Requests submitted from several threads at once give the answers of each alone; a cancelled one
+    stops and its blocks go back to the pool while the others go on."""
+    want = [engine.generate(p, max_tokens=16).token_ids for p in PROMPTS[:4]]
+    got = [None] * 4
+    with engine.batch_runner() as runner:
+        def one(i):
+            got[i] = runner.submit(engine.encode(PROMPTS[i]), SamplingParams(max_tokens=16)).result().token_ids
+
+        long = runner.submit(engine.encode(PROMPTS[5]), SamplingParams(max_tokens=500))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        it = iter(long)
+        for _ in range(3):
+            next(it)
+        long.cancel()
+        for t in threads:
+            t.join()
+        pool = engine._batch_kv().pool
+        for _ in range(100):  # the runner frees the cancelled request's blocks at its next step
+            if pool.blocks_in_use == 0:
+                break
+            threading.Event().wait(0.05)
+        assert pool.blocks_in_use == 0
+    assert got == want
+    with pytest.raises(MlxInferError, match="closed"):
+        runner.submit(engine.encode("Hi"), SamplingParams())
+
+
+def test_generate_batch_bad_input(engine):
+    with pytest.raises(MlxInferError, match="2 prompts but 3 params"):
+        engine.generate_batch(["a", "b"], [SamplingParams()] * 3)
+    with pytest.raises(MlxInferError, match="prompt is empty"):
+        engine.generate_batch(["a", " "])
+    with pytest.raises(MlxInferError, match="max_batch"):
+        engine.generate_batch(["a"], max_batch=0)
