@@ -12,6 +12,7 @@ from .convert import convert
 from .doctor import doctor
 from .errors import EXIT_BUG, click_exceptions, one_line_warnings, report_bug
 from .generate import generate
+from .serve import serve
 from .train import train_drafter
 
 app = typer.Typer(
@@ -23,6 +24,7 @@ app = typer.Typer(
 )
 app.command(epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(generate)
 app.command(epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
+app.command(epilog="Example: mlx-infer serve --port 8080")(serve)
 app.command()(doctor)
 app.command(epilog="Example: mlx-infer convert model.gguf ./model-mlx")(convert)
 app.command(epilog="Example: mlx-infer bench --spec off --spec lookup -n 64")(bench)

@@ -135,7 +135,14 @@ class Engine:
         return self._kv.pool if self._kv is not None else None
 
     def reset(self) -> None:
-        """Forget the kept KV cache (its blocks go back to the pool): the next request prefills its whole prompt."""
+        """Forget the kept KV cache and the batched requests' prefix cache (their blocks go back to the pool):
+        the next request prefills its whole prompt."""
+        self._drop_kept()
+        for kv in (self._kv, self._batch_pool):
+            if kv is not None:
+                kv.prefix.clear()
+
+    def _drop_kept(self) -> None:
         kept, self._kept = self._kept, None
         if kept is not None:
             release(kept.cache)
@@ -413,24 +420,26 @@ class Engine:
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
                             self.tokenizer.eos_token_ids, emit)
 
-    def scheduler(self, max_batch: int = MAX_BATCH) -> BatchScheduler:
+    def scheduler(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchScheduler:
         """A BatchScheduler over this engine's block pool (drops the kept KV cache, whose blocks it may need).
+        prefix_cache: requests start from the cached full blocks of earlier ones that share their prompt's
+        beginning (GenerationStats.cached_prompt_tokens); `reset()` empties it.
 
         Raises:
             MlxInferError: max_batch < 1; UnsupportedModelError: a model whose layers are not all KV caches.
         """
-        self.reset()
-        return BatchScheduler(self.model, self._batch_kv(), max_batch)
+        self._drop_kept()
+        return BatchScheduler(self.model, self._batch_kv(), max_batch, prefix_cache)
 
-    def batch_runner(self, max_batch: int = MAX_BATCH) -> BatchRunner:
+    def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchRunner:
         """A continuous-batching decode loop on its own thread: `submit(prompt_ids, params)` from any thread
         returns a RequestHandle to stream from or cancel (what the server uses). While it runs, use the
         engine only through it. Close it (or use it as a context manager) when done."""
-        return BatchRunner(self.scheduler(max_batch), self._batch_request)
+        return BatchRunner(self.scheduler(max_batch, prefix_cache), self._batch_request)
 
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
-                       **sampling) -> List[GenerationResult]:
+                       prefix_cache: bool = True, **sampling) -> List[GenerationResult]:
         """Generate answers to several prompts decoding together (continuous batching: at most max_batch at
         once, newcomers admitted as others finish or as the KV budget allows). Plain decoding (no speculative
         decoding, no eviction); greedy answers equal `generate`'s up to float rounding of the batched matmul,
@@ -439,6 +448,9 @@ class Engine:
         Args:
             prompts: each as `encode` takes it.
             params: one SamplingParams for all, one per prompt, or None; keyword arguments override fields of each.
+            max_batch: most requests decoding at once.
+            prefix_cache: reuse the full KV blocks of earlier batched requests with the same beginning (see
+                `scheduler`).
 
         Returns:
             one GenerationResult per prompt, in order (stats.ttft_s counts from the call).
@@ -455,7 +467,7 @@ class Engine:
             raise MlxInferError(f"{len(prompts)} prompts but {len(params)} params: give one, or one per prompt")
         params = [p.with_(**sampling) if sampling else p for p in params]
         ids = [self.encode_fitting(p, system, chat_template) for p in prompts]
-        sched = self.scheduler(max_batch)
+        sched = self.scheduler(max_batch, prefix_cache)
         steps: List[list] = [[] for _ in prompts]
         requests = [self._batch_request(i, p, s.append) for i, p, s in zip(ids, params, steps)]
         for r in requests:

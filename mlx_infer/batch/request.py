@@ -35,7 +35,7 @@ class BatchRequest:
         self.params = params
         self.max_tokens = max_tokens
         self.assembler = StepAssembler(detokenizer, params.stop, eos, max_tokens)
-        self.emit = emit
+        self._emit = emit
         self.sampler = build_sampler(params)
         self.keyed_sampler = build_keyed_sampler(params)
         self.processors = build_logits_processors(params)
@@ -49,6 +49,14 @@ class BatchRequest:
         self.submitted_at = time.perf_counter()
         self.admitted_at: Optional[float] = None  # when its prefill began
         self.first_at: Optional[float] = None
+
+    def emit(self, item) -> None:
+        """Hand a step (or the error that ended the request) to its consumer. A consumer that fails to take
+        it (e.g. the server's event loop has closed) cancels the request: the batch goes on without it."""
+        try:
+            self._emit(item)
+        except Exception:
+            self.cancelled = True
 
     @property
     def greedy_plain(self) -> bool:

@@ -14,6 +14,8 @@ import queue
 import threading
 from typing import Callable, Iterator, Optional
 
+import mlx.core as mx
+
 from ..errors import MlxInferError
 from ..generation.results import GenerationResult, GenerationStep, collect
 from .request import BatchRequest
@@ -81,8 +83,10 @@ class BatchRunner:
         self._thread = threading.Thread(target=self._loop, name="mlx-infer-batch", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids, params) -> RequestHandle:
-        """Queue a request (token ids and SamplingParams); returns its handle at once.
+    def submit(self, prompt_ids, params, on_step: Optional[Callable] = None) -> RequestHandle:
+        """Queue a request (token ids and SamplingParams); returns its handle at once. on_step: called on the
+        runner's thread with each GenerationStep (or the exception that failed the request) instead of
+        queueing them in the handle (e.g. to hand them to an event loop); the handle still cancels.
 
         Raises:
             MlxInferError: the runner is closed, or the request is invalid (as Engine.stream_steps);
@@ -91,7 +95,7 @@ class BatchRunner:
         if self._closed.is_set():
             raise MlxInferError("the batch runner is closed")
         handle = RequestHandle()
-        handle.request = self._make_request(prompt_ids, params, handle._put)
+        handle.request = self._make_request(prompt_ids, params, on_step or handle._put)
         handle._runner = self
         self.scheduler.check_fits(handle.request)
         self._inbox.put(handle.request)
@@ -129,6 +133,8 @@ class BatchRunner:
                     r.fail(MlxInferError(f"generation failed: {e}"))
         for r in sched.fail_all():
             r.fail(MlxInferError("the runner was closed before the request finished"))
+        mx.synchronize()
+        mx.clear_streams()  # MLX needs a thread's streams destroyed before it ends (else the exit may abort)
 
     def close(self) -> None:
         """Stop the thread (unfinished requests get an MlxInferError) and wait for it."""

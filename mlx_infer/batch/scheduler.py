@@ -7,7 +7,8 @@ running request and sample each row with the request's own parameters; finished 
 their blocks go back to the pool. Decode is pipelined: the next forward is built and started before the
 previous one's tokens are read back (see _launch).
 
-Admission reserves a request's worst case, ceil((prompt + max_tokens) / block_size) blocks, so a running
+Admission reserves a request's worst case, ceil((prompt + max_tokens) / block_size) blocks (less the blocks
+it shares from the prefix cache; idle cached blocks are freed to make room), so a running
 request never runs out of KV blocks mid-decode (no preemption needed); a request whose worst case exceeds the
 whole budget is refused at submit (KVBudgetError), one that fits later waits.
 """
@@ -36,15 +37,18 @@ class BatchScheduler:
         model: an mlx-lm model whose layer caches are all KVCache-like (make_paged_cache accepts it).
         kv: the PagedKV (block pool and budget) the requests' caches live in.
         max_batch: most requests decoding at once (>= 1).
+        prefix_cache: start each request from the longest cached prefix of its prompt (kv/prefix.py: whole
+            blocks of earlier requests, e.g. a shared system prompt or a chat's previous turns) and cache its
+            full blocks when it finishes.
 
     Raises:
         MlxInferError: max_batch < 1.
     """
 
-    def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH):
+    def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH, prefix_cache: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise MlxInferError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        self.model, self.kv, self.max_batch = model, kv, max_batch
+        self.model, self.kv, self.max_batch, self.prefix_cache = model, kv, max_batch, prefix_cache
         self.waiting: Deque[BatchRequest] = deque()
         self.running: List[BatchRequest] = []
         self.steps = 0  # batched decode forwards run
@@ -75,13 +79,26 @@ class BatchScheduler:
         self.check_fits(req)
         self.waiting.append(req)
 
-    def _room(self) -> float:
-        """Blocks an admission may still reserve: free blocks minus what running requests may yet take."""
-        free = self.kv.pool.free_blocks
-        if free is None:
-            return math.inf
-        promised = sum(r.reserved_blocks - len(r.sequence.table.blocks) for r in self.running)
-        return free - promised
+    def _promised(self) -> int:
+        """Blocks running requests may still allocate (their reservations minus what they hold)."""
+        return sum(max(0, r.reserved_blocks - len(r.sequence.table.blocks)) for r in self.running)
+
+    def _admit(self, req: BatchRequest) -> bool:
+        """Give the request its cache (starting from the longest cached prefix of its prompt) and reserve its
+        blocks, freeing idle cached blocks if that makes room; False (nothing changed) when it must wait."""
+        cache = self.kv.new_cache()
+        shared = self.kv.prefix.lookup(req.prompt_ids) if self.prefix_cache else []
+        cache[0].sequence.adopt(shared)  # its own reference: make_room cannot free them now
+        need = self.blocks_needed(req) - len(shared)
+        pool = self.kv.pool
+        if pool.free_blocks is not None and need + self._promised() > pool.free_blocks:
+            self.kv.prefix.make_room(need + self._promised())
+            if need + self._promised() > pool.free_blocks:
+                release(cache)
+                return False
+        req.cache, req.reserved_blocks = cache, len(shared) + need
+        req.cached_tokens = len(shared) * self.kv.block_size
+        return True
 
     def step(self) -> None:
         """Admit, prefill, and decode once (see the module docstring); emits each request's steps."""
@@ -92,10 +109,8 @@ class BatchScheduler:
             r.finish(cancelled=True)
             self.waiting.remove(r)
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch and self.blocks_needed(self.waiting[0]) <= self._room():
+        while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
-            req.reserved_blocks = self.blocks_needed(req)
-            req.cache = self.kv.new_cache()
             self.running.append(req)
             admitted.append(req)
         if admitted:
@@ -106,6 +121,8 @@ class BatchScheduler:
                     self._leave(r)
                 raise
             for r, token in zip(admitted, firsts):
+                if self.prefix_cache:  # its prompt's full blocks, for the requests that share them
+                    self.kv.prefix.insert(r.prompt_ids, r.sequence.table.blocks)
                 if r.accept(token):
                     self._leave(r)
         previous, self._inflight = self._inflight, None
@@ -184,9 +201,15 @@ class BatchScheduler:
                 self._leave(r)
 
     def _leave(self, req: BatchRequest) -> None:
-        """A request ends (finished, cancelled or failed): out of the batch, its blocks back to the pool."""
+        """A request ends (finished, cancelled or failed): out of the batch; a finished one's full blocks go
+        to the prefix cache (a chat's next turn starts from them), the rest back to the pool."""
         if req in self.running:
             self.running.remove(req)
+        if req.cache is None:
+            return
+        table = req.sequence.table
+        if self.prefix_cache and req.finished and not req.cancelled and table.n_live == table.length:
+            self.kv.prefix.insert((req.prompt_ids + req.generated)[:table.length], table.blocks)
         release(req.cache)
         req.cache = None
 

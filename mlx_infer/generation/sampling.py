@@ -26,7 +26,11 @@ class SamplingParams:
         min_p: drop tokens below min_p * p(max) in [0, 1); 0 disables it.
         repetition_penalty: > 0; 1 disables it (as in mlx-lm, over the last
             `repetition_context_size` tokens).
-        repetition_context_size: tokens the repetition penalty looks back over (>= 1).
+        repetition_context_size: tokens the repetition, presence and frequency penalties look back over (>= 1).
+        presence_penalty: subtracted from the logit of each token seen in that window (OpenAI's field,
+            in [-2, 2]); 0 disables it.
+        frequency_penalty: subtracted from a token's logit once per time it was seen in that window (OpenAI's
+            field, in [-2, 2]); 0 disables it.
         seed: seed for MLX's random generator; None leaves it as it is.
         max_tokens: most tokens to generate (>= 1).
         stop: strings that end generation; the stop string itself is not returned.
@@ -38,6 +42,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: Optional[int] = None
     max_tokens: int = MAX_TOKENS
     stop: Tuple[str, ...] = field(default_factory=tuple)
@@ -74,6 +80,10 @@ class SamplingParams:
             raise MlxInferError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         if not integer(self.repetition_context_size) or self.repetition_context_size < 1:
             raise MlxInferError(f"repetition_context_size must be an integer >= 1, got {self.repetition_context_size!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            finite(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise MlxInferError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if not integer(self.max_tokens) or self.max_tokens < 1:
             raise MlxInferError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not integer(self.seed) or self.seed < 0):
@@ -134,10 +144,14 @@ def build_keyed_sampler(params: SamplingParams) -> Callable[[mx.array, mx.array]
 
 
 def build_logits_processors(params: SamplingParams) -> List[Callable[[mx.array, mx.array], mx.array]]:
-    """mlx-lm's logits processors (repetition penalty) for these parameters: (tokens [T], logits [B, V]) -> logits."""
-    if params.repetition_penalty == 1.0:
+    """mlx-lm's logits processors (repetition, presence and frequency penalties) for these parameters:
+    (tokens [T], logits [B, V]) -> logits."""
+    if params.repetition_penalty == 1.0 and params.presence_penalty == 0 and params.frequency_penalty == 0:
         return []
+    window = params.repetition_context_size
     return make_logits_processors(
-        repetition_penalty=params.repetition_penalty,
-        repetition_context_size=params.repetition_context_size,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=window,
+        presence_penalty=params.presence_penalty or None, presence_context_size=window,
+        frequency_penalty=params.frequency_penalty or None, frequency_context_size=window,
     )

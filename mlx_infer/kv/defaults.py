@@ -31,3 +31,6 @@ STREAMING_SINKS = 4
 #: SnapKV (arXiv 2404.14469): observation window (last prompt queries) and pooling kernel (its repo: 32, 5).
 SNAPKV_WINDOW = 32
 SNAPKV_KERNEL = 5
+#: Most bytes of KV blocks the prefix cache keeps for reuse when nothing else holds them, when the pool has
+#: no budget (with a budget, cached blocks are freed as requests need the room).
+PREFIX_CACHE_BYTES = 512 << 20

@@ -66,6 +66,12 @@ class PagedSequence:
                 f"layer {layer} advances to {self.offsets[layer] + n} tokens but the table holds {self.table.length}")
         self.offsets[layer] += n
 
+    def adopt(self, blocks: List[int]) -> None:
+        """Start this fresh request from cached full blocks (TokenTable.adopt): every layer then stands
+        after their tokens."""
+        self.table.adopt(blocks)
+        self.offsets = [self.table.length] * len(self.offsets)
+
     def trim(self, layer: int, n: int) -> int:
         """Roll layer `layer` back n tokens; the table drops the tokens no layer holds any more."""
         n = max(0, min(n, self.offsets[layer]))

@@ -19,11 +19,13 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import PagedKVCache, make_paged_cache, make_pool
+from .defaults import PREFIX_CACHE_BYTES
 from .errors import KVBudgetError
 from .evict import EvictionController
 from .observe import AttentionObserver, QueryTap
 from .options import EvictSpec
 from .policies import make_policy
+from .prefix import PrefixCache
 from .repack import Repacker
 
 
@@ -45,6 +47,7 @@ class PagedKV:
     def __init__(self, model: nn.Module, budget_bytes: Optional[int], block_size: int):
         self.model = model
         self.pool = make_pool(model, block_size=block_size, budget_bytes=budget_bytes)
+        self.prefix = PrefixCache(self.pool)  # shared full blocks (batched requests: BatchScheduler)
         self.stream = mx.new_stream(mx.default_device())  # the repacker's copies (one per engine)
 
     @property
@@ -57,9 +60,14 @@ class PagedKV:
 
     def ensure_layout(self) -> None:
         """Fix the pool's layout before the first request (its budget in blocks needs it): the K/V shape and
-        dtype of one token through a dense mlx-lm cache. Does nothing once it is known."""
-        if self.pool.layout is not None:
-            return
+        dtype of one token through a dense mlx-lm cache. Also bounds the prefix cache of a pool without a
+        budget (PREFIX_CACHE_BYTES)."""
+        if self.pool.layout is None:
+            self._probe_layout()
+        if self.pool.budget_bytes is None and self.prefix.max_blocks is None:
+            self.prefix.max_blocks = PREFIX_CACHE_BYTES // self.pool.block_bytes
+
+    def _probe_layout(self) -> None:
         dense = make_prompt_cache(self.model)
         self.model(mx.array([[0]]), cache=dense)
         keys, values = dense[0].keys, dense[0].values  # [1, n_kv, L, k_dim], [1, n_kv, L, v_dim]

@@ -128,6 +128,29 @@ class TokenTable:
             self.version += 1
         return freed
 
+    def adopt(self, blocks: Sequence[int]) -> None:
+        """Start this (empty) table with full blocks another request wrote (a cached prefix): their
+        len(blocks) * block_size tokens become its first logical tokens, and it takes one reference to each
+        (so they stay while it holds them; repacking never moves a shared block).
+
+        Raises:
+            MlxInferError: the table is not empty, or a block is free.
+        """
+        if self.length or self.blocks:
+            raise MlxInferError("only an empty token table can start from a cached prefix")
+        for b in blocks:
+            self.pool.incref(b)
+        n = len(blocks) * self.block_size
+        self._reserve(n)
+        self._block[:n] = np.repeat(np.asarray(blocks, np.int64), self.block_size)
+        self._slot[:n] = np.tile(np.arange(self.block_size), len(blocks))
+        self._live[:n] = True
+        for b in blocks:
+            self.fill[b], self.live_count[b] = self.block_size, self.block_size
+        self.blocks = list(blocks)
+        self.length, self.tail = n, -1
+        self.version += 1
+
     def truncate(self, length: int) -> int:
         """Forget logical tokens length .. self.length - 1 (a rollback): their slots are freed, a block
         left with no live token returns to the pool, and a block's fill is rolled back when the trimmed

@@ -1,0 +1,73 @@
+"""`mlx-infer serve`: the OpenAI-compatible HTTP server (mlx_infer/server) on uvicorn."""
+
+import ipaddress
+import os
+from typing import Annotated, Optional
+
+import typer
+import uvicorn
+
+from mlx_infer.defaults import MAX_BATCH
+from mlx_infer.errors import MlxInferError
+from mlx_infer.kv.defaults import BLOCK_SIZE
+from mlx_infer.server import ServerConfig, build_app
+from mlx_infer.server.defaults import HOST, MAX_QUEUE, MAX_TOKENS_LIMIT, PORT
+
+from .errors import user_errors
+from .options import BlockSizeOpt, KVBudgetOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, kv_kwargs
+from .progress import load_engine, stderr
+
+#: The environment variable read for --api-key (so that the key stays out of `ps` and shell history).
+API_KEY_ENV = "MLX_INFER_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` binds only this machine ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")] = HOST,
+    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port.")] = PORT,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on every /v1 route.")] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Most requests decoding together.")] = MAX_BATCH,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0,
+                                           help="Requests that may wait beyond the batch; more get HTTP 429.")] = MAX_QUEUE,
+    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1,
+                                                  help="Most tokens one request may ask for.")] = MAX_TOKENS_LIMIT,
+    kv_budget: KVBudgetOpt = None,
+    block_size: BlockSizeOpt = str(BLOCK_SIZE),
+    weights: WeightsOpt = Weights.auto,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions
+    (streaming as server-sent events, or not), GET /v1/models, GET /health.
+
+    Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory, and a
+    request that cannot fit waits). Binds 127.0.0.1 unless told otherwise.
+    """
+    with user_errors(verbose):
+        if not is_loopback(host) and not api_key:
+            raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "
+                                "or bind 127.0.0.1")
+        load_kw, _ = kv_kwargs("paged", kv_budget, None, "on", block_size, {})
+        engine = load_engine(model, weights.value, verbose)
+        engine.configure_kv(**load_kw)
+        runner = engine.batch_runner(max_batch)
+        config = ServerConfig(model_id=engine.source.name, api_key=api_key, max_tokens_limit=max_tokens_limit,
+                              max_queue=max_queue)
+        try:
+            stderr.print(f"serving {engine.source.name} on http://{host}:{port}/v1 (Ctrl-C stops)"
+                         + ("; API key required" if api_key else ""), markup=False)
+            uvicorn.run(build_app(engine, runner, config), host=host, port=port,
+                        log_level="info" if verbose else "warning", access_log=verbose)
+        finally:
+            runner.close()

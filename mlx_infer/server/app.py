@@ -1,0 +1,250 @@
+"""The OpenAI-compatible HTTP API (Starlette): /v1/chat/completions, /v1/completions (server-sent events
+when streaming), /v1/models, /health, over one engine's BatchRunner (continuous batching on its own thread).
+
+    app = build_app(engine, runner, ServerConfig(api_key="..."))
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+Each request is checked (protocol.py), encoded, and submitted to the runner; its steps come back on the
+runner's thread and are handed to the event loop (call_soon_threadsafe) into the request's asyncio queue.
+A client that disconnects cancels its request at the runner's next step (its KV blocks go back to the pool).
+Errors are OpenAI error objects, never a traceback.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..batch import BatchRunner, RequestHandle
+from ..errors import MlxInferError
+from ..generation.results import GenerationStep
+from ..kv.errors import KVBudgetError
+from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
+from .protocol import APIError, ParsedRequest, parse
+
+log = logging.getLogger("mlx_infer.server")
+
+#: Seconds between two checks that a non-streaming client is still connected.
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerConfig:
+    """Limits and identity of a server.
+
+    Attributes:
+        model_id: the id /v1/models lists and responses carry.
+        api_key: Bearer token every /v1 route requires (None: no authentication).
+        max_body_bytes, max_prompt_tokens, max_tokens_limit, default_max_tokens: request limits.
+        max_queue: requests allowed to wait beyond the running batch (then 429).
+    """
+
+    model_id: str = "default"
+    api_key: Optional[str] = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_queue: int = MAX_QUEUE
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Server:
+    """The routes' state: the engine (tokenizer and chat template only, on the event loop's thread), its
+    runner, the limits, and the number of requests in flight (for 429)."""
+
+    def __init__(self, engine, runner: BatchRunner, config: ServerConfig):
+        self.engine, self.runner, self.config = engine, runner, config
+        self.in_flight = 0
+        self.capacity = runner.scheduler.max_batch + config.max_queue
+
+    # ---- plumbing
+
+    def check_auth(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error",
+                           code="invalid_api_key")
+
+    async def read_json(self, request: Request):
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.config.max_body_bytes):
+            raise APIError(413, f"the request body is over {self.config.max_body_bytes} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.config.max_body_bytes:
+                raise APIError(413, f"the request body is over {self.config.max_body_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    def encode(self, parsed: ParsedRequest):
+        try:
+            ids = self.engine.encode_fitting(parsed.prompt, chat_template=isinstance(parsed.prompt, list))
+        except MlxInferError as e:
+            raise APIError(400, str(e), "messages" if isinstance(parsed.prompt, list) else "prompt") from None
+        if len(ids) > self.config.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
+                                f"{self.config.max_prompt_tokens}", "messages" if isinstance(parsed.prompt, list) else "prompt")
+        return ids
+
+    def submit(self, ids, parsed: ParsedRequest):
+        """(handle, asyncio queue of its steps); raises APIError 429 when full, 400 when it cannot fit."""
+        if self.in_flight >= self.capacity:
+            raise APIError(429, f"the server is busy ({self.in_flight} requests in flight): retry shortly",
+                           kind="rate_limit_error")
+        loop, steps = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            handle = self.runner.submit(ids, parsed.params, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s))
+        except KVBudgetError as e:
+            raise APIError(400, str(e), "max_tokens") from None
+        except MlxInferError as e:
+            raise APIError(503 if "closed" in str(e) else 400, str(e)) from None
+        self.in_flight += 1
+        return handle, steps
+
+    def done(self, handle: RequestHandle) -> None:
+        handle.cancel()  # a no-op for a finished request; else its blocks go back at the runner's next step
+        self.in_flight -= 1
+
+    # ---- routes
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "mlx-infer"}]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=False)
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        self.check_auth(request)
+        parsed = parse(await self.read_json(request), chat, self.config.max_tokens_limit, self.config.default_max_tokens)
+        ids = self.encode(parsed)
+        handle, steps = self.submit(ids, parsed)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if parsed.stream:
+            return StreamingResponse(self.events(handle, steps, parsed, rid, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            text, final = [], None
+            while final is None:
+                try:
+                    step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                if isinstance(step, BaseException):
+                    raise APIError(500, f"generation failed: {step}", kind="server_error")
+                text.append(step.text)
+                final = step if step.finish_reason is not None else None
+        finally:
+            self.done(handle)
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                   "finish_reason": final.finish_reason} if chat else
+                  {"index": 0, "text": content, "logprobs": None, "finish_reason": final.finish_reason})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.config.model_id, "choices": [choice],
+                             "usage": usage(final)})
+
+    async def events(self, handle: RequestHandle, steps: asyncio.Queue, parsed: ParsedRequest, rid: str,
+                     chat: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(delta_or_text, finish=None, **extra) -> str:
+            choice = ({"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": finish} if chat else
+                      {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": finish})
+            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                    "model": self.config.model_id, "choices": [choice], **extra}
+            if parsed.include_usage:
+                body.setdefault("usage", None)
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
+            while True:
+                step = await steps.get()
+                if isinstance(step, BaseException):
+                    err = APIError(500, f"generation failed: {step}", kind="server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    break
+                if step.text or step.finish_reason is None:
+                    if step.text:
+                        yield chunk({"content": step.text} if chat else step.text)
+                if step.finish_reason is not None:
+                    yield chunk({} if chat else "", step.finish_reason)
+                    if parsed.include_usage:
+                        body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": self.config.model_id, "choices": [],
+                                "usage": usage(step)}
+                        yield f"data: {json.dumps(body)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away (the response is cancelled): the request stops
+            self.done(handle)
+
+
+def usage(final: GenerationStep) -> dict:
+    s = final.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
+            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
+
+
+def build_app(engine, runner: BatchRunner, config: ServerConfig) -> Starlette:
+    """The Starlette app serving `engine` through `runner` (the caller closes the runner)."""
+    server = Server(engine, runner, config)
+
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = {404: f"no route {request.url.path}: see GET /v1/models, POST /v1/chat/completions, POST /v1/completions",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(APIError(exc.status_code, message))
+
+    async def disconnected(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s", request.url.path)
+        return error_response(APIError(500, "internal server error (details are in the server's log)", kind="server_error"))
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
+                                                       ClientDisconnect: disconnected, Exception: internal})
+    app.state.server = server
+    return app

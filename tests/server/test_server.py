@@ -1,0 +1,156 @@
+"""`mlx-infer serve` through the official openai client and raw HTTP: chat and completions, streaming and
+not, stop strings, usage, concurrent streams equal to each request alone, disconnects, auth, malformed
+requests, 429, and the prefix cache across chat turns."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import live_server
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
+             "Explain what a CPU does in one sentence.", "Say hi.", "Count from one to ten.",
+             "Name two planets.", "What is 2 + 2?"]
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def alone(engine, question, n):
+    engine.reset()
+    return engine.generate([{"role": "user", "content": question}], max_tokens=n).text
+
+
+def test_chat_and_completions(server, reference):
+    url, _ = server
+    c = client(url)
+    r = c.chat.completions.create(model="anything", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12)
+    assert r.choices[0].message.content == alone(reference, QUESTIONS[0], 12)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.model == "smollm2"
+    assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                            max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    full = c.completions.create(model="m", prompt="The capital of France is", max_tokens=20, temperature=0)
+    cut = c.completions.create(model="m", prompt="The capital of France is", max_tokens=20, stop=[" Paris", "\n"])
+    stops = [i for i in (full.choices[0].text.find(" Paris"), full.choices[0].text.find("\n")) if i >= 0]
+    assert stops, "the reference text should contain a stop string"
+    assert cut.choices[0].text == full.choices[0].text[:min(stops)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="m", prompt="The capital of France is", max_tokens=20, stream=True))
+    assert streamed == full.choices[0].text
+    assert client(url).models.list().data[0].id == "smollm2"
+
+
+def test_eight_concurrent_streams_equal_each_alone(server, reference):
+    url, _ = server
+    want = [alone(reference, q, 24) for q in QUESTIONS]
+    got = [None] * len(QUESTIONS)
+
+    def one(i):
+        stream = client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[i]}],
+                                                      max_tokens=24, stream=True)
+        got[i] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_disconnect_mid_stream_frees_its_blocks(server):
+    url, runner = server
+    pool, prefix = runner.scheduler.kv.pool, runner.scheduler.kv.prefix
+    body = {"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}], "max_tokens": 2000,
+            "stream": True}
+    other = threading.Thread(target=lambda: client(url).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=40))
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert runner.scheduler.running
+            other.start()
+    other.join()
+    for _ in range(200):
+        if not runner.scheduler.busy:
+            break
+        time.sleep(0.05)
+    assert not runner.scheduler.running
+    assert pool.blocks_in_use == len(prefix)  # only the prefix cache's blocks are left
+
+
+def test_auth(engine):
+    with live_server(engine, api_key="s3cret") as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+        assert client(url, "s3cret").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices[0].message.content
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "bogus": 1}).encode(), 400, "unsupported field 'bogus'"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "n": 2}).encode(), 400, "'n' is supported only as 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}).encode(), 400, "'temperature' must be a number"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}).encode(), 400, "temperature must be >= 0"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10 ** 9}).encode(), 400, "'max_tokens' must be between"),
+    (json.dumps({"messages": []}).encode(), 400, "non-empty list"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400, "only text parts"),
+    (json.dumps({"max_tokens": 3}).encode(), 400, "'messages' is required"),
+    (b"{" + b" " * (2 << 20) + b"}", 413, "over"),
+])
+def test_malformed_requests(server, body, status, needle):
+    url, _ = server
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"] == "invalid_request_error"
+    assert "Traceback" not in r.text
+
+
+def test_unknown_route_and_method(server):
+    url, _ = server
+    assert httpx.get(url + "/v1/nothing").status_code == 404
+    assert "no route" in httpx.get(url + "/v1/nothing").json()["error"]["message"]
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+
+
+def test_full_server_answers_429(engine):
+    with live_server(engine, max_batch=1, max_queue=0) as (url, runner):
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300, "stream": True}
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()  # kept: a dropped iterator closes the connection (a disconnect)
+                next(lines)
+                busy = http.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+                assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_next_chat_turn_reuses_the_first_turns_blocks(server):
+    url, _ = server
+    c = client(url)
+    history = [{"role": "system", "content": "You are a patient teacher. " * 20},
+               {"role": "user", "content": "Explain photosynthesis briefly."}]
+    first = c.chat.completions.create(model="m", messages=history, max_tokens=40)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And respiration?"}]
+    second = c.chat.completions.create(model="m", messages=history, max_tokens=8)
+    hit = second.usage.prompt_tokens_details.cached_tokens
+    assert hit >= (first.usage.prompt_tokens // 16) * 16  # at least the first turn's whole prompt blocks
+    assert hit < second.usage.prompt_tokens
