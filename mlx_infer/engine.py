@@ -410,15 +410,23 @@ class Engine:
             self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE)
         return self._batch_pool
 
-    def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit) -> BatchRequest:
+    def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit, speculative: str = "off") -> BatchRequest:
         """A validated BatchRequest (any thread: no MLX work but its random key)."""
         if not isinstance(params, SamplingParams):
             raise MlxInferError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.for_vocab(self.vocab_size)
+        options = self._spec_options(speculative, None, "auto")
         prompt_ids = self.encode_fitting(list(prompt_ids))
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
-                            self.tokenizer.eos_token_ids, emit)
+                            self.tokenizer.eos_token_ids, emit, options)
+
+    def _solo_tokens(self, req: BatchRequest) -> Optional[Iterator[int]]:
+        """The speculative iterator of a batched request running alone (BatchScheduler `solo`): its cache
+        holds its prompt and its tokens but the last; None where speculation cannot pay."""
+        history = req.prompt_ids + req.generated
+        return self.spec.tokens(history, req.params, req.max_tokens - req.assembler.n, req.speculative, req.spec,
+                                req.cache, start=len(history) - 1)
 
     def scheduler(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchScheduler:
         """A BatchScheduler over this engine's block pool (drops the kept KV cache, whose blocks it may need).
@@ -429,21 +437,23 @@ class Engine:
             MlxInferError: max_batch < 1; UnsupportedModelError: a model whose layers are not all KV caches.
         """
         self._drop_kept()
-        return BatchScheduler(self.model, self._batch_kv(), max_batch, prefix_cache)
+        return BatchScheduler(self.model, self._batch_kv(), max_batch, prefix_cache, solo=self._solo_tokens)
 
     def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchRunner:
         """A continuous-batching decode loop on its own thread: `submit(prompt_ids, params)` from any thread
-        returns a RequestHandle to stream from or cancel (what the server uses). While it runs, use the
-        engine only through it. Close it (or use it as a context manager) when done."""
+        returns a RequestHandle to stream from or cancel (what the server uses); `submit(...,
+        speculative="auto")` decodes speculatively while the request runs alone. While it runs, use the engine
+        only through it. Close it (or use it as a context manager) when done."""
         return BatchRunner(self.scheduler(max_batch, prefix_cache), self._batch_request)
 
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
-                       prefix_cache: bool = True, **sampling) -> List[GenerationResult]:
+                       prefix_cache: bool = True, speculative: str = "off", **sampling) -> List[GenerationResult]:
         """Generate answers to several prompts decoding together (continuous batching: at most max_batch at
-        once, newcomers admitted as others finish or as the KV budget allows). Plain decoding (no speculative
-        decoding, no eviction); greedy answers equal `generate`'s up to float rounding of the batched matmul,
-        seeded ones draw from their own random key (as `generate` with that seed).
+        once, newcomers admitted as others finish or as the KV budget allows). Batched rows decode plainly
+        (eviction is not supported here); greedy answers equal `generate`'s up to float rounding of the
+        batched matmul, seeded ones draw from their own random key (as `generate` with that seed; with
+        speculative decoding off: a speculating request draws differently, from the same distribution).
 
         Args:
             prompts: each as `encode` takes it.
@@ -451,6 +461,8 @@ class Engine:
             max_batch: most requests decoding at once.
             prefix_cache: reuse the full KV blocks of earlier batched requests with the same beginning (see
                 `scheduler`).
+            speculative: a mode of `stream_steps` ("off", "lookup", "auto", ...), used by a request while it
+                runs alone (the last one of a batch, a lone prompt); batched requests decode plainly.
 
         Returns:
             one GenerationResult per prompt, in order (stats.ttft_s counts from the call).
@@ -469,7 +481,7 @@ class Engine:
         ids = [self.encode_fitting(p, system, chat_template) for p in prompts]
         sched = self.scheduler(max_batch, prefix_cache)
         steps: List[list] = [[] for _ in prompts]
-        requests = [self._batch_request(i, p, s.append) for i, p, s in zip(ids, params, steps)]
+        requests = [self._batch_request(i, p, s.append, speculative) for i, p, s in zip(ids, params, steps)]
         for r in requests:
             sched.check_fits(r)
         for r in requests:

@@ -9,6 +9,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from ..generation.assemble import StepAssembler
 from ..generation.results import GenerationStats, GenerationStep
 from ..generation.sampling import SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler
+from ..speculative import SpecOptions, SpecStats
 
 Emit = Callable[[Union[GenerationStep, BaseException]], None]
 
@@ -24,13 +25,15 @@ class BatchRequest:
         eos: end-of-sequence token ids.
         emit: called with each GenerationStep, the last one with finish_reason and stats, or with an
             exception when the request failed (on the scheduler's thread).
+        speculative: SpecOptions of speculative decoding while the request runs alone (None or mode "off":
+            never); its SpecStats are in `spec`.
 
     With a seed, the request draws from its own MLX random key (mx.random.key(seed)), so its samples do not
     depend on what else is in the batch, and equal a single request's with the same seed.
     """
 
     def __init__(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
-                 detokenizer: StreamingDetokenizer, eos, emit: Emit):
+                 detokenizer: StreamingDetokenizer, eos, emit: Emit, speculative: Optional[SpecOptions] = None):
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.max_tokens = max_tokens
@@ -49,6 +52,8 @@ class BatchRequest:
         self.submitted_at = time.perf_counter()
         self.admitted_at: Optional[float] = None  # when its prefill began
         self.first_at: Optional[float] = None
+        self.speculative = speculative if speculative is not None and speculative.on else None
+        self.spec: Optional[SpecStats] = SpecStats() if self.speculative is not None else None
 
     def emit(self, item) -> None:
         """Hand a step (or the error that ended the request) to its consumer. A consumer that fails to take
@@ -116,6 +121,9 @@ class BatchRequest:
             peak_memory_bytes=int(mx.get_peak_memory()),
             cached_prompt_tokens=self.cached_tokens,
         )
+        if self.spec is not None:
+            stats.spec_mode, stats.tau, stats.rounds = self.spec.mode or "off", self.spec.tau, self.spec.rounds
+            stats.draft_s, stats.verify_s, stats.acceptance = self.spec.draft_s, self.spec.verify_s, self.spec.acceptance
         self.emit(GenerationStep(text, token, finish_reason=reason, stats=stats))
 
     def fail(self, error: BaseException) -> None:

@@ -72,7 +72,8 @@ class BatchRunner:
 
     Args:
         scheduler: the BatchScheduler (used by this thread only from now on).
-        make_request: (prompt_ids, params, emit) -> BatchRequest, validating on the caller's thread.
+        make_request: (prompt_ids, params, emit, speculative) -> BatchRequest, validating on the caller's
+            thread.
     """
 
     def __init__(self, scheduler: BatchScheduler, make_request: Callable[..., BatchRequest]):
@@ -83,10 +84,11 @@ class BatchRunner:
         self._thread = threading.Thread(target=self._loop, name="mlx-infer-batch", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids, params, on_step: Optional[Callable] = None) -> RequestHandle:
+    def submit(self, prompt_ids, params, on_step: Optional[Callable] = None, speculative: str = "off") -> RequestHandle:
         """Queue a request (token ids and SamplingParams); returns its handle at once. on_step: called on the
         runner's thread with each GenerationStep (or the exception that failed the request) instead of
         queueing them in the handle (e.g. to hand them to an event loop); the handle still cancels.
+        speculative: a mode of Engine.stream_steps, used while the request runs alone (BatchScheduler solo).
 
         Raises:
             MlxInferError: the runner is closed, or the request is invalid (as Engine.stream_steps);
@@ -95,7 +97,7 @@ class BatchRunner:
         if self._closed.is_set():
             raise MlxInferError("the batch runner is closed")
         handle = RequestHandle()
-        handle.request = self._make_request(prompt_ids, params, on_step or handle._put)
+        handle.request = self._make_request(prompt_ids, params, on_step or handle._put, speculative)
         handle._runner = self
         self.scheduler.check_fits(handle.request)
         self._inbox.put(handle.request)
@@ -131,6 +133,8 @@ class BatchRunner:
             except Exception as e:  # a failed forward: every request in it is told, the runner goes on
                 for r in sched.fail_all():
                     r.fail(MlxInferError(f"generation failed: {e}"))
+            if not sched.busy:
+                mx.clear_cache()  # idle: MLX's cache of freed buffers goes back to the system
         for r in sched.fail_all():
             r.fail(MlxInferError("the runner was closed before the request finished"))
         mx.synchronize()

@@ -5,7 +5,8 @@ prefill the newcomers together (left-padded rows of one batched forward, kv/batc
 once for all of them) and sample each one's first token, then run one batched forward of one token for every
 running request and sample each row with the request's own parameters; finished requests leave at once and
 their blocks go back to the pool. Decode is pipelined: the next forward is built and started before the
-previous one's tokens are read back (see _launch).
+previous one's tokens are read back (see _launch). A request that asks for speculative decoding gets it
+while it runs alone (see `solo`), lossless as every speculative mode.
 
 Admission reserves a request's worst case, ceil((prompt + max_tokens) / block_size) blocks (less the blocks
 it shares from the prefix cache; idle cached blocks are freed to make room), so a running
@@ -16,12 +17,12 @@ whole budget is refused at submit (KVBudgetError), one that fits later waits.
 import math
 import time
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Callable, Deque, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..defaults import MAX_BATCH, PREFILL_STEP_SIZE
+from ..defaults import DEFAULT_MAX_DRAFT, MAX_BATCH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
 from ..kv.batch import BatchStep
 from ..kv.errors import KVBudgetError
@@ -40,12 +41,18 @@ class BatchScheduler:
         prefix_cache: start each request from the longest cached prefix of its prompt (kv/prefix.py: whole
             blocks of earlier requests, e.g. a shared system prompt or a chat's previous turns) and cache its
             full blocks when it finishes.
+        solo: speculative decoding for a request that runs alone: called with the request (its cache
+            holding its prompt and all its tokens but the last), returns the iterator of its next tokens
+            (Engine: SpecState.tokens, lossless) or None (it decodes plainly). Used while it is the only
+            running request and nobody waits; closed (its cache rolled back to the tokens delivered) when
+            another request arrives, and the request goes on in the batch.
 
     Raises:
         MlxInferError: max_batch < 1.
     """
 
-    def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH, prefix_cache: bool = True):
+    def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
+                 solo: Optional[Callable[[BatchRequest], Optional[Iterator[int]]]] = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise MlxInferError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model, self.kv, self.max_batch, self.prefix_cache = model, kv, max_batch, prefix_cache
@@ -54,15 +61,20 @@ class BatchScheduler:
         self.steps = 0  # batched decode forwards run
         # the decode forward in flight: its requests and their sampled tokens [B] (lazy, being evaluated)
         self._inflight: Optional[Tuple[List[BatchRequest], mx.array]] = None
+        self.solo = solo
+        self._solo: Optional[Tuple[BatchRequest, Iterator[int]]] = None  # the lone speculative request
         kv.ensure_layout()
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight)
+        return bool(self.waiting or self.running or self._inflight or self._solo)
 
     def blocks_needed(self, req: BatchRequest) -> int:
-        return math.ceil((len(req.prompt_ids) + req.max_tokens) / self.kv.block_size)
+        """The request's worst case in blocks: its prompt and max_tokens (and, speculating, a verify's draft
+        tokens beyond them)."""
+        extra = DEFAULT_MAX_DRAFT + 1 if req.speculative is not None else 0
+        return math.ceil((len(req.prompt_ids) + req.max_tokens + extra) / self.kv.block_size)
 
     def check_fits(self, req: BatchRequest) -> None:
         """Raise KVBudgetError when the request's prompt and max_tokens can never fit the KV budget (reads
@@ -108,6 +120,10 @@ class BatchScheduler:
         for r in [r for r in self.waiting if r.cancelled]:
             r.finish(cancelled=True)
             self.waiting.remove(r)
+        if self._solo is not None:
+            if not self.waiting:
+                return self._solo_step()
+            self._end_solo()  # a newcomer: the lone request goes on in the batch
         admitted = []
         while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
@@ -126,10 +142,42 @@ class BatchScheduler:
                 if r.accept(token):
                     self._leave(r)
         previous, self._inflight = self._inflight, None
+        lone = self.running[0] if len(self.running) == 1 and not self.waiting else None
+        if self.solo is not None and lone is not None and lone.speculative is not None:
+            if previous is not None:
+                self._deliver(*previous)
+                previous = None
+            if lone in self.running and self._start_solo(lone):
+                return self._solo_step()
         if self.running:
             self._inflight = self._launch(previous)
         if previous is not None:
             self._deliver(*previous)
+
+    def _start_solo(self, req: BatchRequest) -> bool:
+        tokens = self.solo(req)
+        if tokens is None:  # speculation cannot pay for it here: plain batched decoding from now on
+            req.speculative = None
+            return False
+        self._solo = (req, tokens)
+        return True
+
+    def _solo_step(self) -> None:
+        """The lone request's next token from its speculative iterator."""
+        req, tokens = self._solo
+        token = next(tokens, None)
+        if token is None or req.accept(token):
+            self._end_solo()
+            if token is None:  # the source ended first (the context window)
+                req.finish()
+            self._leave(req)
+
+    def _end_solo(self) -> None:
+        """Close the lone request's speculative iterator: its cache is rolled back to the tokens delivered,
+        all but the last one (the state batched decoding continues from)."""
+        _, tokens = self._solo
+        self._solo = None
+        tokens.close()
 
     def _prefill(self, reqs: List[BatchRequest]) -> List[int]:
         """Prefill the newcomers' prompts together (batched forwards of at most PREFILL_STEP_SIZE tokens in
@@ -217,6 +265,11 @@ class BatchScheduler:
         """Drop every request (after an error inside a forward: the batch's caches are in an unknown state);
         returns them so that their callers can be told."""
         self._inflight = None
+        if self._solo is not None:
+            try:
+                self._end_solo()
+            except Exception:  # the request is dropped anyway
+                self._solo = None
         dropped = self.running + list(self.waiting)
         for r in list(self.running):
             self._leave(r)

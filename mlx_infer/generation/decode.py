@@ -1,15 +1,25 @@
 """Plain decoding: one token per target forward, through mlx-lm's generate_step."""
 
+import threading
 from typing import Callable, Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 
 from ..defaults import PREFILL_STEP_SIZE
 from .sampling import SamplingParams, build_logits_processors, build_sampler
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def decode_stream() -> mx.Stream:
+    """The stream decoding runs on: mlx-lm's generation stream on the main thread, the calling thread's own
+    default stream elsewhere (MLX streams belong to the thread that made them; a batch runner's thread cannot
+    use the main thread's)."""
+    if threading.current_thread() is threading.main_thread():
+        return generation_stream
+    return mx.default_stream(mx.default_device())
 
 
 def with_prefix(processor: LogitsProcessor, prefix: mx.array) -> LogitsProcessor:

@@ -47,6 +47,7 @@ class ServerConfig:
         api_key: Bearer token every /v1 route requires (None: no authentication).
         max_body_bytes, max_prompt_tokens, max_tokens_limit, default_max_tokens: request limits.
         max_queue: requests allowed to wait beyond the running batch (then 429).
+        speculative: the speculative mode of every request, used while it runs alone ("off", "auto", ...).
     """
 
     model_id: str = "default"
@@ -56,6 +57,7 @@ class ServerConfig:
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_queue: int = MAX_QUEUE
+    speculative: str = "off"
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -114,7 +116,8 @@ class Server:
                            kind="rate_limit_error")
         loop, steps = asyncio.get_running_loop(), asyncio.Queue()
         try:
-            handle = self.runner.submit(ids, parsed.params, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s))
+            handle = self.runner.submit(ids, parsed.params, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s),
+                                        speculative=self.config.speculative)
         except KVBudgetError as e:
             raise APIError(400, str(e), "max_tokens") from None
         except MlxInferError as e:

@@ -21,11 +21,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
 from ..defaults import CLEAR_CACHE_ROUNDS, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
+from ..generation.decode import decode_stream
 from ..generation.sampling import SamplingParams, build_logits_processors
 from .capture import TargetTaps
 from .drafters.base import Drafter
@@ -192,7 +192,7 @@ def speculative_tokens(
     policy = FixedGamma(max_draft) if isinstance(max_draft, int) else max_draft
     taps = TargetTaps(model, drafter.target_layer_ids) if drafter.wants_hidden else None
     args = (model, prompt_ids, params, max_tokens, drafter, policy, stats, cache, start, progress)
-    with mx.stream(generation_stream):
+    with mx.stream(decode_stream()):
         if taps is None:
             return (yield from _rounds(*args, None))
         with taps:

@@ -164,3 +164,29 @@ def test_generate_batch_bad_input(engine):
         engine.generate_batch(["a", " "])
     with pytest.raises(MlxInferError, match="max_batch"):
         engine.generate_batch(["a"], max_batch=0)
+
+
+COPY = ("Repeat this list exactly, twice: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+        "apples, bananas, cherries, dates, elderberries, figs, grapes.")
+
+
+def test_lone_request_speculates_and_yields_to_a_newcomer(engine):
+    """A request asking for lookup decoding speculates while it runs alone (rounds commit several tokens),
+    goes back to the batch when a newcomer arrives, and both answers equal each request alone."""
+    sched = engine.scheduler()
+    first, second = [], []
+    sched.add(engine._batch_request(engine.encode(COPY), SamplingParams(max_tokens=60), first.append, "lookup"))
+    while len([s for s in first if s.token is not None]) < 20:
+        sched.step()
+    assert sched._solo is not None  # speculating
+    sched.add(engine._batch_request(engine.encode(PROMPTS[1]), SamplingParams(max_tokens=12), second.append, "lookup"))
+    sched.step()
+    assert sched._solo is None and len(sched.running) == 2  # the newcomer joined; the first went on batched
+    while sched.busy:
+        sched.step()
+    assert [s.token for s in first if s.token is not None] == engine.generate(COPY, max_tokens=60).token_ids
+    assert [s.token for s in second if s.token is not None] == engine.generate(PROMPTS[1], max_tokens=12).token_ids
+    stats = first[-1].stats
+    assert stats.spec_mode == "lookup" and stats.rounds > 0 and stats.tau > 1.0
+    kv = engine._batch_kv()
+    assert kv.pool.blocks_in_use == len(kv.prefix)

@@ -154,3 +154,14 @@ def test_next_chat_turn_reuses_the_first_turns_blocks(server):
     hit = second.usage.prompt_tokens_details.cached_tokens
     assert hit >= (first.usage.prompt_tokens // 16) * 16  # at least the first turn's whole prompt blocks
     assert hit < second.usage.prompt_tokens
+
+
+def test_lone_request_speculates_losslessly(engine, reference):
+    """With speculative decoding on (lookup), a request running alone speculates and answers exactly as
+    plain decoding does."""
+    question = ("Repeat this list exactly, twice: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+                "apples, bananas, cherries, dates, elderberries, figs, grapes.")
+    with live_server(engine, speculative="lookup") as (url, runner):
+        r = client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": question}], max_tokens=48)
+        assert runner.scheduler.steps == 0  # no batched decode forward: every token came from speculative rounds
+    assert r.choices[0].message.content == alone(reference, question, 48) and r.usage.completion_tokens > 1
