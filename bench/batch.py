@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import RESULTS_DIR, interleaved, machine, write_result  # noqa: E402
+from common import interleaved, machine, machine_line, write_result  # noqa: E402
 from mlx_lm import batch_generate, load as mlx_lm_load  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
@@ -120,7 +120,7 @@ def main():
     info = machine()
     print(f"model: {engine.source.name}; kernels: {engine.source.kernels or 'MLX qmm'}; {args.max_tokens} new tokens "
           f"per request; median of {args.trials} interleaved trials")
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
+    print(machine_line(info))
     print(f"{'system':<32}{'c':>3}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'vs 1 alone':>12}{'vs mlx-lm BG':>14}")
     for r in rows:
         bg = next(x["tps"] for x in rows if x["name"] == "mlx-lm BatchGenerator" and x["concurrency"] == r["concurrency"])

@@ -29,6 +29,12 @@ def machine() -> dict:
     }
 
 
+def machine_line(info: dict) -> str:
+    """One line naming what `machine()` describes, for the head of a benchmark's table."""
+    return (f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), "
+            f"BLAS: {info['blas']}")
+
+
 def time_tokens(tokens: Iterable) -> dict:
     """Drain a token iterator and time it: TTFT (s), decode tokens/s after the first token, count."""
     start = time.perf_counter()

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import interleaved, machine, median, time_tokens, write_result  # noqa: E402
+from common import interleaved, machine, machine_line, median, time_tokens, write_result  # noqa: E402
 from mlx_lm import load as mlx_lm_load, stream_generate  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -104,7 +104,7 @@ def main():
     info = machine()
     print(f"model: {native.source.name} ({native.source.path.name}); prompt {len(prompt_ids)} tokens; "
           f"{args.max_tokens} new tokens; median of {args.trials} interleaved trials")
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
+    print(machine_line(info))
     print(f"{'path':<34}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
     for r in rows:
         ratio = f"{r['decode_vs_mlx_lm']:.2f}x" if r["decode_vs_mlx_lm"] else "-"

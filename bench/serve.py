@@ -38,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402
-from common import machine, write_result  # noqa: E402
+from common import machine, machine_line, write_result  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +214,7 @@ def main():
 
     info = machine()
     print(f"\nmodel: {mlx_dir} (mlx-infer kernels: {kernels or 'MLX qmm'}); {args.max_tokens} tokens per request, greedy")
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
+    print(machine_line(info))
     print(f"{'system':<10}{'c':>4}{'req':>5}{'fail':>5}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}{'ITL p95':>9}")
     for r in rows:
         print(f"{r['system']:<10}{r['concurrency']:>4}{r['requests']:>5}{r['failed']:>5}{r['total_tps']:>9.1f}"

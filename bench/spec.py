@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import bootstrap_ratio, machine, write_result  # noqa: E402
+from common import bootstrap_ratio, machine, machine_line, write_result  # noqa: E402
 from mlx_infer.engine import Engine  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "prompts"
@@ -302,8 +302,7 @@ def policy_main(args) -> None:
     info = machine()
     print(f"model: {base.source.name} ({base.source.weights} weights); greedy; {limit} prompts per set, "
           f"{max_tokens} new tokens, {repeats} repeats (interleaved, order rotated per repeat); {elapsed:.0f} s")
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), "
-          f"BLAS: {info['blas']}; load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"{machine_line(info)}; load average {os.getloadavg()[0]:.2f} at the end")
 
     def ratio_cell(p: dict) -> str:
         return f"{p['ratio']:5.2f}x [{p['rep_min']:4.2f}-{p['rep_max']:4.2f}] ({p['ci95'][0]:4.2f}-{p['ci95'][1]:4.2f})"
@@ -457,7 +456,7 @@ def main():
     print(f"model: {engine.source.name} ({engine.source.weights} weights); draft model: first {args.draft_layers} layers; "
           f"{args.limit} prompts per set, {args.max_tokens} new tokens; max_draft {args.max_draft}; "
           f"fastest of {args.repeats} runs per prompt (peers: 1)")
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, MLX {info['mlx']} ({info['backend']}), BLAS: {info['blas']}")
+    print(machine_line(info))
     for temp, sets in results.items():
         print(f"\ntemperature {temp}")
         names = list(systems)
