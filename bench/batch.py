@@ -11,7 +11,7 @@ to the last token, prefill included):
                                  the same matmuls, so the difference is the batching machinery
 Greedy outputs of the batched run are checked against the one-after-another run (token ids).
 
-Usage: python bench/batch.py [--concurrency 1,2,4,8] [--max-tokens 64] [--trials 3] [--model PATH]
+Usage: python bench/batch.py [--concurrency 1,2,4,8] [--max-tokens 64] [--trials 3] [--model PATH] [--skip ROWS]
 Prints a table and writes bench/results/batch-*.json and batch-*.png (tokens/s against concurrency).
 """
 
@@ -97,7 +97,10 @@ def main():
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--skip", default="", help="rows to leave out, comma-separated names (e.g. 'mlx-lm BatchGenerator', "
+                                               "whose MLX quantized matmul is slow on a CPU)")
     args = ap.parse_args()
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
 
     engine = mlx_infer.load(args.model)
     plain_model, plain_tok = mlx_lm_load(str(engine.source.mlx_dir))
@@ -105,7 +108,7 @@ def main():
     rows, raw = [], {}
     for c in [int(x) for x in args.concurrency.split(",")]:
         ids = [engine.encode(prompts[i % len(prompts)]) for i in range(c)]
-        rs = runners(engine, plain_model, plain_tok, ids, args.max_tokens)
+        rs = {k: v for k, v in runners(engine, plain_model, plain_tok, ids, args.max_tokens).items() if k not in skip}
         for run in rs.values():  # warm-up
             run()
         results = interleaved(rs, args.trials)
@@ -122,8 +125,10 @@ def main():
           f"per request; median of {args.trials} interleaved trials")
     print(machine_line(info))
     print(f"{'system':<32}{'c':>3}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'vs 1 alone':>12}{'vs mlx-lm BG':>14}")
+    peer = "mlx-lm BatchGenerator" if "mlx-lm BatchGenerator" not in skip else "mlx-lm BatchGenerator, kernels"
+    print(f"(vs mlx-lm BG: against '{peer}')")
     for r in rows:
-        bg = next(x["tps"] for x in rows if x["name"] == "mlx-lm BatchGenerator" and x["concurrency"] == r["concurrency"])
+        bg = next(x["tps"] for x in rows if x["name"] == peer and x["concurrency"] == r["concurrency"])
         r["vs_one_request"], r["vs_mlx_lm_batch"] = r["tps"] / one, r["tps"] / bg
         flag = "" if r["same_tokens_as_alone"] in (None, True) else "  (tokens differ from alone!)"
         print(f"{r['name']:<32}{r['concurrency']:>3}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tps']:>9.1f}"

@@ -24,10 +24,8 @@ Prints tables and writes bench/results/serve-*.json.
 import argparse
 import asyncio
 import json
-import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import time

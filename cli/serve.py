@@ -1,7 +1,6 @@
 """`mlx-infer serve`: the OpenAI-compatible HTTP server (mlx_infer/server) on uvicorn."""
 
 import ipaddress
-import os
 from typing import Annotated, Optional
 
 import typer
