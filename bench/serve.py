@@ -79,9 +79,14 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+#: The "model" field of the requests: mlx_lm.server loads whatever model a request names, so it is given
+#: the directory both servers serve (mlx-infer serve takes any name).
+MODEL = {"id": "default"}
+
+
 async def chat(client, url, messages, max_tokens, drop_after=None):
     """One streaming chat request: {"ttft_s", "gaps_s", "tokens", "ok", "dropped"}."""
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+    body = {"model": MODEL["id"], "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, last, gaps, tokens, chunks = None, None, [], 0, 0
@@ -180,6 +185,7 @@ def main():
 
     engine = mlx_infer.load()  # converts the default GGUF once; both servers read its MLX directory
     mlx_dir = str(engine.source.mlx_dir)
+    MODEL["id"] = mlx_dir
     kernels = engine.source.kernels
     del engine
     ports = {"mlx-lm": free_port(), "mlx-infer": free_port()}
