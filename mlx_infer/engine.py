@@ -72,7 +72,8 @@ def measurement_key(source: ModelSource) -> str:
 class Engine:
     """A loaded model, ready to generate.
 
-    Build it with `mlx_infer.load(...)`. Not thread-safe: one request at a time.
+    Build it with `mlx_infer.load(...)`. Not thread-safe: one request at a time, or several together through
+    `generate_batch` / `batch_runner` (whose thread then owns the engine).
 
     The engine keeps the KV cache of its last request: a request whose prompt starts with the tokens of
     the previous one (a chat's next turn: the history, then the new message) prefills only what follows the

@@ -71,7 +71,8 @@ class GenerationResult:
     Attributes:
         text: the generated text (stop string excluded).
         token_ids: generated token ids (EOS excluded).
-        finish_reason: "stop" (EOS or a stop string) or "length" (max_tokens or the context window).
+        finish_reason: "stop" (EOS or a stop string) or "length" (max_tokens or the context window); a
+            batched request cancelled through its RequestHandle ends with "cancelled".
         stats: GenerationStats.
     """
 
