@@ -32,7 +32,8 @@ ModelOpt = Annotated[Optional[str], typer.Option(
          "Default: the embedded SmolLM2-135M-Instruct (Q4_1).")]
 WeightsOpt = Annotated[Weights, typer.Option(
     "--weights", case_sensitive=False, rich_help_panel=MODEL,
-    help="auto: float32 on the CPU backend with an optimized BLAS when memory allows, else as stored; "
+    help="auto: quantized weights stay quantized on mlx-infer's CPU kernels when they are available, else float32 "
+         "on the CPU backend with an optimized BLAS when memory allows; elsewhere as stored; "
          "native: as stored (often quantized); float32: dequantize.")]
 MaxTokensOpt = Annotated[int, typer.Option(
     "--max-tokens", "-n", rich_help_panel=SAMPLING, help="Most tokens to generate.")]

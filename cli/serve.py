@@ -16,8 +16,24 @@ from .errors import user_errors
 from .options import BlockSizeOpt, KVBudgetOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, kv_kwargs, spec_kwargs
 from .progress import load_engine, prepare_speculation, stderr
 
+#: Seconds Ctrl-C waits for open requests before they are cut (each then ends at once, its blocks freed).
+SHUTDOWN_GRACE_S = 3
+
 #: The environment variable read for --api-key (so that the key stays out of `ps` and shell history).
 API_KEY_ENV = "MLX_INFER_API_KEY"
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server that, on Ctrl-C, first ends the open requests (their streams get an error event and
+    [DONE]) so that their connections close within the grace period instead of being cancelled."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def is_loopback(host: str) -> bool:
@@ -55,8 +71,9 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions
     (streaming as server-sent events, or not), GET /v1/models, GET /health.
 
-    Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory, and a
-    request that cannot fit waits). Binds 127.0.0.1 unless told otherwise.
+    Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory: a
+    request waits while the budget is full, and one that could never fit gets a 400). Binds 127.0.0.1 unless
+    told otherwise. Ctrl-C stops it, cutting open requests after a few seconds.
     """
     with user_errors(verbose):
         if not is_loopback(host) and not api_key:
@@ -73,9 +90,17 @@ def serve(
         config = ServerConfig(model_id=engine.source.name, api_key=api_key, max_tokens_limit=max_tokens_limit,
                               max_queue=max_queue, speculative=speculative.get("speculative", "off"))
         try:
-            stderr.print(f"serving {engine.source.name} on http://{host}:{port}/v1 (Ctrl-C stops)"
+            shown = f"[{host}]" if ":" in host else host
+            stderr.print(f"serving {engine.source.name} on http://{shown}:{port}/v1 (Ctrl-C stops)"
                          + ("; API key required" if api_key else ""), markup=False)
-            uvicorn.run(build_app(engine, runner, config), host=host, port=port,
-                        log_level="info" if verbose else "warning", access_log=verbose)
+            app = build_app(engine, runner, config)
+            server = StoppingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
+                                                   access_log=verbose, lifespan="off",
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S),
+                                    on_exit=app.state.server.shutdown)
+            try:
+                server.run()
+            except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
+                pass
         finally:
             runner.close()

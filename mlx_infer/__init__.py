@@ -29,7 +29,7 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
     Args:
         model: a .gguf file, an MLX / Hugging Face model directory, a Hugging Face repo id
             ('org/name'), or None for the embedded default (SmolLM2-135M-Instruct Q4_1).
-        weights: "auto" (float32 on the CPU backend with an optimized BLAS, else as stored),
+        weights: "auto" (quantized weights on the CPU kernels when available, else float32 on the CPU backend with an optimized BLAS, else as stored),
             "native" (as stored) or "float32".
         progress: callable(done, total, description) for download / conversion progress.
         kv_cache, kv_budget, block_size: the KV cache ("dense", default, or "paged"), its budget and block

@@ -215,7 +215,8 @@ class Engine:
             chat_template: apply the model's chat template to a string prompt (when it has one).
 
         Raises:
-            MlxInferError: empty prompt, bad messages, or a system prompt without a chat template.
+            MlxInferError: empty prompt, bad messages, token ids outside the vocabulary, or a system prompt
+                without a chat template.
         """
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -228,7 +229,10 @@ class Engine:
         prompt = list(prompt)
         if not prompt:
             raise MlxInferError("the prompt is empty; give some text")
-        if all(isinstance(t, int) for t in prompt):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise MlxInferError(f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
             return [int(t) for t in prompt]
         for m in prompt:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
@@ -415,6 +419,8 @@ class Engine:
         """A validated BatchRequest (any thread: no MLX work but its random key)."""
         if not isinstance(params, SamplingParams):
             raise MlxInferError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, str) or not all(isinstance(t, int) for t in prompt_ids):
+            raise MlxInferError("a batched request takes token ids: pass engine.encode(text_or_messages)")
         params = params.for_vocab(self.vocab_size)
         options = self._spec_options(speculative, None, "auto")
         prompt_ids = self.encode_fitting(list(prompt_ids))
@@ -472,6 +478,8 @@ class Engine:
             MlxInferError: a bad prompt or parameter, params of another length than prompts; KVBudgetError:
                 a request that can never fit the KV budget (before anything runs).
         """
+        if isinstance(prompts, str):
+            raise MlxInferError("generate_batch takes a list of prompts; for one prompt use generate, or pass [prompt]")
         prompts = list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)

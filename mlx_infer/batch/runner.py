@@ -10,8 +10,10 @@ All MLX work (prefill, decode, sampling) runs on the runner's thread (MLX stream
 made them); callers only put requests in and read steps out of per-request queues.
 """
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -23,6 +25,16 @@ from .scheduler import BatchScheduler
 
 #: Seconds the idle runner thread waits for a request before checking whether it was closed.
 IDLE_POLL_S = 0.1
+
+#: Runners not closed yet: closed at interpreter exit (MLX aborts the process when a thread that used it is
+#: still running, or ended without clearing its streams, at exit).
+_OPEN: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_runners() -> None:
+    for runner in list(_OPEN):
+        runner.close()
 
 
 class RequestHandle:
@@ -83,6 +95,7 @@ class BatchRunner:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlx-infer-batch", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def submit(self, prompt_ids, params, on_step: Optional[Callable] = None, speculative: str = "off") -> RequestHandle:
         """Queue a request (token ids and SamplingParams); returns its handle at once. on_step: called on the
@@ -141,10 +154,13 @@ class BatchRunner:
         mx.clear_streams()  # MLX needs a thread's streams destroyed before it ends (else the exit may abort)
 
     def close(self) -> None:
-        """Stop the thread (unfinished requests get an MlxInferError) and wait for it."""
+        """Stop the thread (unfinished requests get an MlxInferError) and wait for it; idempotent (also run at
+        interpreter exit for a runner left open)."""
         self._closed.set()
         self.wake()
-        self._thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        _OPEN.discard(self)
 
     def __enter__(self) -> "BatchRunner":
         return self

@@ -48,7 +48,7 @@ class BatchScheduler:
             another request arrives, and the request goes on in the batch.
 
     Raises:
-        MlxInferError: max_batch < 1.
+        MlxInferError: max_batch < 1; KVBudgetError: a budget that holds no block.
     """
 
     def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
@@ -65,6 +65,9 @@ class BatchScheduler:
         self._solo: Optional[Tuple[BatchRequest, Iterator[int]]] = None  # the lone speculative request
         kv.ensure_layout()
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
+        if kv.pool.max_blocks == 0:
+            raise KVBudgetError(f"the KV budget of {kv.pool.budget_bytes} bytes holds no block of {kv.block_size} "
+                                f"tokens ({kv.pool.block_bytes} bytes): raise kv_budget")
 
     @property
     def busy(self) -> bool:

@@ -86,8 +86,8 @@ class SamplingParams:
                 raise MlxInferError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if not integer(self.max_tokens) or self.max_tokens < 1:
             raise MlxInferError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not integer(self.seed) or self.seed < 0):
-            raise MlxInferError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
+            raise MlxInferError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise MlxInferError("stop strings must be non-empty strings")
 

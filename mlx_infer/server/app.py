@@ -38,6 +38,11 @@ log = logging.getLogger("mlx_infer.server")
 DISCONNECT_POLL_S = 0.5
 
 
+class ShuttingDown:
+    """Put in a request's step queue when the server stops: the request ends at once (SSE: an error event,
+    then [DONE]; not streaming: 503)."""
+
+
 @dataclass
 class ServerConfig:
     """Limits and identity of a server.
@@ -73,6 +78,7 @@ class Server:
         self.engine, self.runner, self.config = engine, runner, config
         self.in_flight = 0
         self.capacity = runner.scheduler.max_batch + config.max_queue
+        self.open: dict = {}  # RequestHandle -> (event loop, its step queue), the requests in flight
 
     # ---- plumbing
 
@@ -98,6 +104,8 @@ class Server:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
 
     def encode(self, parsed: ParsedRequest):
         try:
@@ -123,11 +131,19 @@ class Server:
         except MlxInferError as e:
             raise APIError(503 if "closed" in str(e) else 400, str(e)) from None
         self.in_flight += 1
+        self.open[handle] = (loop, steps)
         return handle, steps
 
     def done(self, handle: RequestHandle) -> None:
         handle.cancel()  # a no-op for a finished request; else its blocks go back at the runner's next step
         self.in_flight -= 1
+        self.open.pop(handle, None)
+
+    def shutdown(self) -> None:
+        """The server is stopping (Ctrl-C): end every open request now, so that its connection closes before
+        uvicorn's grace period runs out (any thread)."""
+        for loop, steps in list(self.open.values()):
+            loop.call_soon_threadsafe(steps.put_nowait, ShuttingDown())
 
     # ---- routes
 
@@ -155,14 +171,20 @@ class Server:
             return StreamingResponse(self.events(handle, steps, parsed, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text, final = [], None
+            text, final, checked = [], None, time.monotonic()
             while final is None:
                 try:
                     step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    step = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                if step is None:
                     continue
+                if isinstance(step, ShuttingDown):
+                    raise APIError(503, "the server is shutting down; retry on another server", kind="server_error")
                 if isinstance(step, BaseException):
                     raise APIError(500, f"generation failed: {step}", kind="server_error")
                 text.append(step.text)
@@ -195,8 +217,9 @@ class Server:
                 yield chunk({"role": "assistant", "content": ""})
             while True:
                 step = await steps.get()
-                if isinstance(step, BaseException):
-                    err = APIError(500, f"generation failed: {step}", kind="server_error")
+                if isinstance(step, (BaseException, ShuttingDown)):
+                    err = (APIError(503, "the server is shutting down", kind="server_error") if isinstance(step, ShuttingDown)
+                           else APIError(500, f"generation failed: {step}", kind="server_error"))
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 if step.text or step.finish_reason is None:

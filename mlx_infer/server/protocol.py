@@ -9,6 +9,7 @@ and `repetition_penalty`. Accepted only at their default: `n` (1), `logprobs` (f
 `response_format` ({"type": "text"}), `tool_choice` ("none"), `stream_options` without other keys.
 """
 
+import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -52,9 +53,16 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "strea
            "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty", "n", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format", "tool_choice"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
-#: Fields accepted only at these values (what the server does anyway).
+#: Fields accepted only at these values (what the server does anyway), compared with their JSON types.
 _ONLY = {"n": (1,), "logprobs": (False, None), "echo": (False, None), "tool_choice": ("none", None),
          "response_format": ({"type": "text"}, None)}
+#: OpenAI's range of temperature.
+MAX_TEMPERATURE = 2.0
+
+
+def _same(a, b) -> bool:
+    """JSON equality: 0 is not false, 1 is not true."""
+    return type(a) is type(b) and a == b
 _NUMBERS = {"temperature": float, "top_p": float, "presence_penalty": float, "frequency_penalty": float,
             "min_p": float, "repetition_penalty": float, "top_k": int, "seed": int}
 
@@ -63,7 +71,7 @@ def _number(body: dict, name: str, kind) -> Any:
     v = body[name]
     ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok:
-        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", name)
+        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {json.dumps(v)}", name)
     return kind(v)
 
 
@@ -107,6 +115,17 @@ def _prompt(v) -> Union[str, List[int]]:
                         "(several prompts in one request are not supported: send one request each)", "prompt")
 
 
+def _check_text(prompt, stops: List[str]) -> None:
+    """400 for text that is not valid Unicode (a lone surrogate from a JSON escape)."""
+    texts = [m["content"] for m in prompt] if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else (
+        [prompt] if isinstance(prompt, str) else [])
+    for t in texts + stops:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request holds text that is not valid Unicode (a lone surrogate escape)") from None
+
+
 def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
     """Check a /v1/chat/completions (chat=True) or /v1/completions body.
 
@@ -121,8 +140,8 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
         if name not in allowed:
             raise APIError(400, f"unsupported field '{name}'", name)
     for name, values in _ONLY.items():
-        if name in body and body[name] not in values:
-            raise APIError(400, f"'{name}' is supported only as {values[0]!r}, got {body[name]!r}", name)
+        if name in body and not any(_same(body[name], v) for v in values):
+            raise APIError(400, f"'{name}' is supported only as {json.dumps(values[0])}, got {json.dumps(body[name])}", name)
     key = "messages" if chat else "prompt"
     if key not in body:
         raise APIError(400, f"'{key}' is required", key)
@@ -150,6 +169,9 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
         raise APIError(400, "'stream_options' needs 'stream': true", "stream_options")
     if "model" in body and not isinstance(body["model"], str):
         raise APIError(400, "'model' must be a string", "model")
+    if kw.get("temperature", 0) > MAX_TEMPERATURE:
+        raise APIError(400, f"'temperature' must be between 0 and {MAX_TEMPERATURE}, got {kw['temperature']}", "temperature")
+    _check_text(prompt, list(kw.get("stop", ())))
     try:
         params = SamplingParams(**kw)
     except MlxInferError as e:

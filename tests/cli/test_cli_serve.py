@@ -37,8 +37,16 @@ def test_serves_and_stops_on_ctrl_c(default_gguf):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sky is", "max_tokens": 4},
                        timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGINT)  # with a stream open: it ends with an error event and [DONE]
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "terminate called" not in err

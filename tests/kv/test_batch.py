@@ -1,6 +1,8 @@
 """Batched decoding (continuous batching over the block pool): the same tokens as each request alone,
 requests joining and leaving, the KV budget, the threaded runner and cancellation."""
 
+import subprocess
+import sys
 import threading
 
 import mlx.core as mx
@@ -157,6 +159,16 @@ def test_runner_threads_and_cancel(engine):
         runner.submit(engine.encode("Hi"), SamplingParams())
 
 
+def test_runner_left_open_closes_at_exit(default_gguf, tmp_path):
+    """A runner never closed is closed at interpreter exit (else MLX aborts the process: exit 134)."""
+    script = tmp_path / "open_runner.py"
+    script.write_text("import mlx_infer\nfrom mlx_infer import SamplingParams\ne = mlx_infer.load()\n"
+                      "r = e.batch_runner()\nprint(r.submit(e.encode('Hi'), SamplingParams(max_tokens=3)).result().text)\n")
+    for _ in range(3):  # the abort was intermittent
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_generate_batch_bad_input(engine):
     with pytest.raises(MlxInferError, match="2 prompts but 3 params"):
         engine.generate_batch(["a", "b"], [SamplingParams()] * 3)
@@ -164,6 +176,13 @@ def test_generate_batch_bad_input(engine):
         engine.generate_batch(["a", " "])
     with pytest.raises(MlxInferError, match="max_batch"):
         engine.generate_batch(["a"], max_batch=0)
+    with pytest.raises(MlxInferError, match="a list of prompts"):
+        engine.generate_batch("hello")
+    with pytest.raises(MlxInferError, match="outside the model's vocabulary"):
+        engine.generate_batch([[1, 2, 10 ** 8]])
+    with engine.batch_runner() as runner:
+        with pytest.raises(MlxInferError, match="takes token ids"):
+            runner.submit("Hello there", SamplingParams())
 
 
 COPY = ("Repeat this list exactly, twice: apples, bananas, cherries, dates, elderberries, figs, grapes, "

@@ -113,6 +113,10 @@ def test_auth(engine):
     (json.dumps({"messages": []}).encode(), 400, "non-empty list"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400, "only text parts"),
     (json.dumps({"max_tokens": 3}).encode(), 400, "'messages' is required"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": 5}).encode(), 400, "between 0 and 2"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "seed": 2 ** 64}).encode(), 400, "seed must be"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "not valid Unicode"),
+    (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
     (b"{" + b" " * (2 << 20) + b"}", 413, "over"),
 ])
 def test_malformed_requests(server, body, status, needle):
@@ -122,6 +126,34 @@ def test_malformed_requests(server, body, status, needle):
     error = r.json()["error"]
     assert needle in error["message"] and error["type"] == "invalid_request_error"
     assert "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("prompt, needle", [([99999999], "outside the model's vocabulary"), ([-1], "must be"),
+                                              ([2 ** 40], "outside the model's vocabulary")])
+def test_bad_token_ids(server, prompt, needle):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200  # still serving
+
+
+def test_completions_logprobs_zero_is_refused(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logprobs": 0}, timeout=60)
+    assert r.status_code == 400 and "'logprobs' is supported only as false" in r.json()["error"]["message"]
+
+
+def test_non_streaming_disconnect_cancels(server):
+    """A non-streaming client that goes away while tokens keep coming is cancelled within a poll interval."""
+    url, runner = server
+    body = {"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}], "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=1.5)
+    for _ in range(100):
+        if not runner.scheduler.busy:
+            break
+        time.sleep(0.1)
+    assert not runner.scheduler.busy
 
 
 def test_unknown_route_and_method(server):
