@@ -108,13 +108,15 @@ class Server:
             raise APIError(400, "the request body is nested too deeply") from None
 
     def encode(self, parsed: ParsedRequest):
+        chat = isinstance(parsed.prompt, list) and isinstance(parsed.prompt[0], dict)
+        field = "messages" if chat else "prompt"
         try:
-            ids = self.engine.encode_fitting(parsed.prompt, chat_template=isinstance(parsed.prompt, list))
+            ids = self.engine.encode_fitting(parsed.prompt, chat_template=chat)
         except MlxInferError as e:
-            raise APIError(400, str(e), "messages" if isinstance(parsed.prompt, list) else "prompt") from None
+            raise APIError(400, str(e), field) from None
         if len(ids) > self.config.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
-                                f"{self.config.max_prompt_tokens}", "messages" if isinstance(parsed.prompt, list) else "prompt")
+                                f"{self.config.max_prompt_tokens}", field)
         return ids
 
     def submit(self, ids, parsed: ParsedRequest):

@@ -133,7 +133,7 @@ def test_malformed_requests(server, body, status, needle):
 def test_bad_token_ids(server, prompt, needle):
     url, _ = server
     r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
-    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+    assert r.status_code == 400 and needle in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
     assert httpx.get(url + "/health").status_code == 200  # still serving
 
 
