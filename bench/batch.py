@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import interleaved, machine, machine_line, write_result  # noqa: E402
+from common import interleaved, machine, machine_line, pyplot, write_result  # noqa: E402
 from mlx_lm import batch_generate, load as mlx_lm_load  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
@@ -70,12 +70,8 @@ def runners(engine, plain_model, plain_tok, ids, max_tokens):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["name"] for r in rows):

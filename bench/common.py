@@ -103,6 +103,19 @@ def bootstrap_ratio(pairs: Sequence[Tuple[Tuple[float, float], Tuple[float, floa
     return stats[int(tail * (len(stats) - 1))], stats[int(round((1 - tail) * (len(stats) - 1)))]
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (PNG files, no display), or None with a note printed when
+    matplotlib is not installed (pip install '.[bench]')."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install '.[bench]'): no plot")
+        return None
+    return plt
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write a result JSON under bench/results/ and return its path."""
     RESULTS_DIR.mkdir(exist_ok=True)

@@ -40,7 +40,7 @@ import mlx.nn as nn
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, machine_line, write_result  # noqa: E402
+from common import machine, machine_line, pyplot, write_result  # noqa: E402
 
 from mlx_infer.kv.options import EvictSpec, parse_evict  # noqa: E402
 from mlx_infer.kv.session import KVRequest, PagedKV, release  # noqa: E402
@@ -120,13 +120,8 @@ def ppl(nll: np.ndarray) -> float:
 def plot(rows: List[dict], full_ppl: float, path: Path) -> Optional[Path]:
     """Perplexity against retention (1 - ratio), one line per policy, the full cache dashed; the PNG's path,
     or None (with a note printed) when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import ScalarFormatter
-    except ImportError:
-        print("note: matplotlib is not installed, no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -137,7 +132,7 @@ def plot(rows: List[dict], full_ppl: float, path: Path) -> Optional[Path]:
     ax.set_ylabel("perplexity (wikitext-2 test)")
     ax.set_yscale("log")
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis(ScalarFormatter())
+        axis(plt.ScalarFormatter())
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -21,9 +21,9 @@ from .batch import BatchRequest, BatchRunner, BatchScheduler
 from .defaults import MAX_BATCH
 from .errors import MlxInferError
 from .generation.decode import plain_tokens
-from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.assemble import StepAssembler
 from .generation.detokenize import make_detokenizer
+from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.sampling import SamplingParams
 from .kv.defaults import BLOCK_SIZE
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict

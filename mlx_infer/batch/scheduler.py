@@ -105,10 +105,10 @@ class BatchScheduler:
         shared = self.kv.prefix.lookup(req.prompt_ids) if self.prefix_cache else []
         cache[0].sequence.adopt(shared)  # its own reference: make_room cannot free them now
         need = self.blocks_needed(req) - len(shared)
-        pool = self.kv.pool
-        if pool.free_blocks is not None and need + self._promised() > pool.free_blocks:
-            self.kv.prefix.make_room(need + self._promised())
-            if need + self._promised() > pool.free_blocks:
+        pool, wanted = self.kv.pool, need + self._promised()
+        if pool.free_blocks is not None and wanted > pool.free_blocks:
+            self.kv.prefix.make_room(wanted)
+            if wanted > pool.free_blocks:
                 release(cache)
                 return False
         req.cache, req.reserved_blocks = cache, len(shared) + need

@@ -72,11 +72,10 @@ def error_response(e: APIError) -> JSONResponse:
 
 class Server:
     """The routes' state: the engine (tokenizer and chat template only, on the event loop's thread), its
-    runner, the limits, and the number of requests in flight (for 429)."""
+    runner, the limits, and the requests in flight (their count gives the 429)."""
 
     def __init__(self, engine, runner: BatchRunner, config: ServerConfig):
         self.engine, self.runner, self.config = engine, runner, config
-        self.in_flight = 0
         self.capacity = runner.scheduler.max_batch + config.max_queue
         self.open: dict = {}  # RequestHandle -> (event loop, its step queue), the requests in flight
 
@@ -121,8 +120,8 @@ class Server:
 
     def submit(self, ids, parsed: ParsedRequest):
         """(handle, asyncio queue of its steps); raises APIError 429 when full, 400 when it cannot fit."""
-        if self.in_flight >= self.capacity:
-            raise APIError(429, f"the server is busy ({self.in_flight} requests in flight): retry shortly",
+        if len(self.open) >= self.capacity:
+            raise APIError(429, f"the server is busy ({len(self.open)} requests in flight): retry shortly",
                            kind="rate_limit_error")
         loop, steps = asyncio.get_running_loop(), asyncio.Queue()
         try:
@@ -132,13 +131,11 @@ class Server:
             raise APIError(400, str(e), "max_tokens") from None
         except MlxInferError as e:
             raise APIError(503 if "closed" in str(e) else 400, str(e)) from None
-        self.in_flight += 1
         self.open[handle] = (loop, steps)
         return handle, steps
 
     def done(self, handle: RequestHandle) -> None:
         handle.cancel()  # a no-op for a finished request; else its blocks go back at the runner's next step
-        self.in_flight -= 1
         self.open.pop(handle, None)
 
     def shutdown(self) -> None:
