@@ -105,6 +105,33 @@ void require_row_contiguous(const mx::array& a, const char* what) {
   }
 }
 
+// The start both primitives' eval_cpu share: the weight (inputs[first]), scales and biases must be
+// row-contiguous; `out` gets its buffer; every input and the output are registered with the stream's CPU
+// command encoder. Returns QmmArgs with the weight fields filled in (the caller adds x, y, M, N, K).
+QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::array& out, mx::Stream stream,
+                    int group_size, int bits) {
+  const mx::array& w = inputs[first];
+  const mx::array& scales = inputs[first + 1];
+  const mx::array& biases = inputs[first + 2];
+  require_row_contiguous(w, "w");
+  require_row_contiguous(scales, "scales");
+  require_row_contiguous(biases, "biases");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const mx::array& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  QmmArgs a{};
+  a.w = w.data<uint32_t>();
+  a.scales = scales.data<void>();
+  a.biases = biases.data<void>();
+  a.group_size = group_size;
+  a.bits = bits;
+  a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
+  return a;
+}
+
 // Buffers the kernels stream through start on a cache line: unaligned 64-byte loads cost 1.5x in the
 // register tiles of fewer than 4 rows (measured on Zen 4).
 constexpr size_t kAlignFloats = 16;
@@ -217,36 +244,15 @@ mx::array dequantize_f32(
 
 void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& x = inputs[0];
-  const mx::array& w = inputs[1];
-  const mx::array& scales = inputs[2];
-  const mx::array& biases = inputs[3];
   mx::array& out = outputs[0];
-  require_row_contiguous(w, "w");
-  require_row_contiguous(scales, "scales");
-  require_row_contiguous(biases, "biases");
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
-  encoder.set_output_array(out);
-
-  QmmArgs a{};
-  a.w = w.data<uint32_t>();
-  a.scales = scales.data<void>();
-  a.biases = biases.data<void>();
+  QmmArgs a = weight_args(inputs, 1, out, stream(), group_size_, bits_);
   a.y = out.data<void>();
   a.M = x.shape(0);
   a.K = x.shape(1);
-  a.N = w.shape(0);
+  a.N = inputs[1].shape(0);
   a.ldy = a.N;
-  a.group_size = group_size_;
-  a.bits = bits_;
-  a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
   a.y_dtype = to_kernel_dtype(out.dtype(), "y");
-  encoder.dispatch([a, xp = x.data<void>(), xt = x.dtype(), xs = x.strides()]() mutable {
+  mx::cpu::get_command_encoder(stream()).dispatch([a, xp = x.data<void>(), xt = x.dtype(), xs = x.strides()]() mutable {
     const int lanes = kernel().lanes;
     std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order, on a cache line (small)
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
@@ -266,32 +272,12 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
 }
 
 void DequantizeF32::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const mx::array& w = inputs[0];
-  const mx::array& scales = inputs[1];
-  const mx::array& biases = inputs[2];
   mx::array& out = outputs[0];
-  require_row_contiguous(w, "w");
-  require_row_contiguous(scales, "scales");
-  require_row_contiguous(biases, "biases");
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
-  encoder.set_output_array(out);
-
-  QmmArgs a{};
-  a.w = w.data<uint32_t>();
-  a.scales = scales.data<void>();
-  a.biases = biases.data<void>();
+  QmmArgs a = weight_args(inputs, 0, out, stream(), group_size_, bits_);
   a.N = out.shape(0);
   a.K = out.shape(1);
-  a.group_size = group_size_;
-  a.bits = bits_;
-  a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
   a.y_dtype = Dtype::f32;
-  encoder.dispatch([a, y = out.data<float>()]() {
+  mx::cpu::get_command_encoder(stream()).dispatch([a, y = out.data<float>()]() {
     const QmmKernel& k = kernel();
     // Weighted like a 4-row product: dequantizing is a few operations per value.
     split_rows(a.N, a.K, int64_t(4) * a.N * a.K, [&](int n0, int n1, float*) {
