@@ -16,7 +16,7 @@ from mlx_infer.errors import MlxInferError
 from .errors import fail, report, user_errors
 from .generate import stream_to_stdout
 from .options import (
-    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBudgetOpt, KVCacheOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
+    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVCacheOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
     kv_kwargs, sampling_params, spec_kwargs,
 )
@@ -154,6 +154,9 @@ def chat(
     evict: EvictOpt = None,
     repack: RepackOpt = "on",
     block_size: BlockSizeOpt = "16",
+    kv_bits: KVBitsOpt = None,
+    kv_scheme: KVSchemeOpt = "affine",
+    kv_quant_start: KVQuantStartOpt = "0",
     stats: bool = typer.Option(False, "--stats", help="Print stats of each answer to stderr."),
     verbose: VerboseOpt = False,
 ) -> None:
@@ -164,7 +167,8 @@ def chat(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
-        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative)
+        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative,
+                                           kv_bits, kv_scheme, kv_quant_start)
         engine = load_engine(model, weights.value, verbose)
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)

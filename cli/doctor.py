@@ -17,6 +17,7 @@ from rich.table import Table
 
 from mlx_infer import backend
 from mlx_infer.kernels import cpu as cpu_kernels
+from mlx_infer.kernels.attention import attention_backend
 from mlx_infer.kernels.qmm import qmm_backend
 from mlx_infer.loading import default
 from mlx_infer.paths import cache_dir
@@ -121,6 +122,7 @@ def collect() -> dict:
         "blas_fix": blas_fix() if slow_blas else None,
         "cpu_fast_path": backend_name == "cpu" and blas != "reference",
         "kernels": qmm_backend() if backend_name != "cpu" or cpu_kernels.available() else "reference",
+        "attention_kernel": attention_backend(),
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "cache_dir": str(cache),
@@ -154,7 +156,8 @@ def render(info: dict) -> Table:
         table.add_row("kernels", f"[yellow]off: {escape(info['kernels_missing'])}[/yellow]")
     else:
         threads = f", {info['kernel_threads']} threads" if info["kernel_threads"] else ""
-        table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}")
+        table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}; quantized-KV attention: "
+                                 f"{info['attention_kernel']}")
     if info["backend"] == "cpu":
         if info["kernel_threads"]:
             fast = "quantized weights on the CPU kernels (--weights auto)"

@@ -8,7 +8,7 @@ import typer
 
 from .errors import fail, user_errors
 from .options import (
-    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBudgetOpt, KVCacheOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
+    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVCacheOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
     kv_kwargs, sampling_params, spec_kwargs,
 )
@@ -50,6 +50,9 @@ def generate(
     evict: EvictOpt = None,
     repack: RepackOpt = "on",
     block_size: BlockSizeOpt = "16",
+    kv_bits: KVBitsOpt = None,
+    kv_scheme: KVSchemeOpt = "affine",
+    kv_quant_start: KVQuantStartOpt = "0",
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print timing and memory stats to stderr.")] = False,
@@ -62,7 +65,8 @@ def generate(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
-        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative)
+        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative,
+                                           kv_bits, kv_scheme, kv_quant_start)
         if system and no_chat_template:
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)

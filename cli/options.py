@@ -10,6 +10,7 @@ from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kv.defaults import BLOCK_SIZE
 from mlx_infer.kv.options import KV_CACHES, check_block_size, check_kv_cache, parse_budget, parse_evict
+from mlx_infer.kv.quant_options import KV_SCHEMES, kv_quant
 from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
 SAMPLING = "Sampling"
@@ -89,6 +90,17 @@ RepackOpt = Annotated[str, typer.Option(
     help="With --evict: pack live tokens into fewer blocks (on) or free blocks only when empty (off: Naive-Evict).")]
 BlockSizeOpt = Annotated[str, typer.Option(
     "--block-size", metavar="N", rich_help_panel=KV, help="Tokens per KV block of the paged cache.")]
+KVBitsOpt = Annotated[Optional[str], typer.Option(
+    "--kv-bits", metavar="8|4|kXvY", rich_help_panel=KV,
+    help="Quantize the KV cache: 8 or 4 bits, or K and V apart (k8v4); lossy (see docs/kv.md for the measured "
+         "quality); dense cache, single requests. Default: float KV.")]
+KVSchemeOpt = Annotated[str, typer.Option(
+    "--kv-scheme", metavar="|".join(KV_SCHEMES), rich_help_panel=KV,
+    help="With --kv-bits: affine (per token, groups along head_dim) or kivi (keys per channel, values per "
+         "token, the most recent tokens kept in float; arXiv 2402.02750).")]
+KVQuantStartOpt = Annotated[str, typer.Option(
+    "--kv-quant-start", metavar="N", rich_help_panel=KV,
+    help="With --kv-bits: keep the first N tokens' KV in float; past N the whole cache is quantized.")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Say more on stderr, and show tracebacks of errors.")]
 
@@ -171,10 +183,11 @@ def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
 
 
 def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], repack: str, block_size: str,
-              speculative: dict) -> tuple:
-    """(load kwargs, request kwargs) from the KV flags: kv_cache / kv_budget / block_size for
-    Engine.configure_kv, evict / repack for each request. Raises MlxInferError naming the bad flag (before
-    the model loads)."""
+              speculative: dict, kv_bits: Optional[str] = None, kv_scheme: str = "affine",
+              kv_quant_start: str = "0") -> tuple:
+    """(load kwargs, request kwargs) from the KV flags: kv_cache / kv_budget / block_size / kv_bits /
+    kv_scheme / kv_quant_start for Engine.configure_kv, evict / repack for each request. Raises
+    MlxInferError naming the bad flag (before the model loads)."""
     try:
         kind = check_kv_cache(kv_cache)
     except MlxInferError:
@@ -201,5 +214,18 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     if spec is not None and mode not in ("off", "auto"):
         raise MlxInferError(f"--evict with --spec {mode} is not supported yet: use --spec off or auto "
                             "(which then decodes plainly)")
+    try:
+        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start)
+    except MlxInferError as e:
+        message = str(e)
+        for name in ("kv_quant_start", "kv_scheme", "kv_bits"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise MlxInferError(message) from None
+    if quant is not None and kind == "paged":
+        raise MlxInferError("--kv-bits needs the dense KV cache (quantized blocks in the paged cache are not "
+                            "supported yet): drop --kv-cache paged")
     request = {"evict": str(spec), "repack": value == "on"} if spec is not None else {}
-    return {"kv_cache": kind, "kv_budget": budget, "block_size": size}, request
+    options = {"kv_cache": kind, "kv_budget": budget, "block_size": size}
+    if quant is not None:
+        options.update(kv_bits=kv_bits, kv_scheme=quant.scheme, kv_quant_start=quant.start)
+    return options, request

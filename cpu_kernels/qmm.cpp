@@ -9,6 +9,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
+#include "common.h"
 #include "qmm_kernel.h"
 #include "thread_pool.h"
 
@@ -35,6 +36,23 @@ const QmmKernel& pick_kernel() {
   return kernel_generic();
 }
 
+}  // namespace
+
+// Buffers the kernels stream through start on a cache line: unaligned 64-byte loads cost 1.5x in the
+// register tiles of fewer than 4 rows (measured on Zen 4).
+constexpr size_t kAlignFloats = 16;
+
+float* aligned(std::vector<float>& buffer, size_t n) {
+  if (buffer.size() < n + kAlignFloats) buffer.resize(n + kAlignFloats);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+}
+
+float* thread_scratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  return aligned(scratch, n);
+}
+
 const QmmKernel& kernel() {
   static const QmmKernel& k = pick_kernel();
   return k;
@@ -54,6 +72,28 @@ std::string shape_str(const mx::array& a) {
   s << "]";
   return s.str();
 }
+
+// A weight operand that is surely row-contiguous when the kernel runs.
+mx::array row_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.status() != mx::array::unscheduled && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[qmm] the CPU kernels run on a CPU stream only");
+  }
+  return stream;
+}
+
+void require_row_contiguous(const mx::array& a, const char* what) {
+  if (!a.flags().row_contiguous) {
+    throw std::runtime_error(std::string("[qmm] ") + what + " is not row-contiguous");
+  }
+}
+
+namespace {
 
 // Checks the weight operands; returns N and K.
 std::pair<int, int> check_weights(
@@ -85,26 +125,6 @@ std::pair<int, int> check_weights(
   return {N, K};
 }
 
-// A weight operand that is surely row-contiguous when the kernel runs.
-mx::array row_contiguous(const mx::array& a, mx::Stream s) {
-  if (a.status() != mx::array::unscheduled && a.flags().row_contiguous) return a;
-  return mx::contiguous(a, false, s);
-}
-
-mx::Stream cpu_stream(mx::StreamOrDevice s) {
-  mx::Stream stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument("[qmm] the CPU kernels run on a CPU stream only");
-  }
-  return stream;
-}
-
-void require_row_contiguous(const mx::array& a, const char* what) {
-  if (!a.flags().row_contiguous) {
-    throw std::runtime_error(std::string("[qmm] ") + what + " is not row-contiguous");
-  }
-}
-
 // The start both primitives' eval_cpu share: the weight (inputs[first]), scales and biases must be
 // row-contiguous; `out` gets its buffer; every input and the output are registered with the stream's CPU
 // command encoder. Returns QmmArgs with the weight fields filled in (the caller adds x, y, M, N, K).
@@ -130,21 +150,6 @@ QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::arra
   a.bits = bits;
   a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
   return a;
-}
-
-// Buffers the kernels stream through start on a cache line: unaligned 64-byte loads cost 1.5x in the
-// register tiles of fewer than 4 rows (measured on Zen 4).
-constexpr size_t kAlignFloats = 16;
-
-float* aligned(std::vector<float>& buffer, size_t n) {
-  if (buffer.size() < n + kAlignFloats) buffer.resize(n + kAlignFloats);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
-
-float* thread_scratch(size_t n) {
-  thread_local std::vector<float> scratch;
-  return aligned(scratch, n);
 }
 
 // Calls fn(n0, n1, scratch) over [0, N) in chunks of whole row blocks, on one thread for small work.

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include "qmm_body.h"
+#include "attn_body.h"
 
 namespace mlx_infer_kernels {
 namespace {
@@ -50,7 +51,7 @@ struct Avx2 {
 }  // namespace
 
 const QmmKernel& kernel_avx2() {
-  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>};
+  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>, &attend<Avx2>};
   return k;
 }
 

@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include "qmm_body.h"
+#include "attn_body.h"
 
 namespace mlx_infer_kernels {
 namespace {
@@ -43,7 +44,7 @@ struct Avx512 {
 }  // namespace
 
 const QmmKernel& kernel_avx512() {
-  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>};
+  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>, &attend<Avx512>};
   return k;
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "qmm_body.h"
+#include "attn_body.h"
 
 namespace mlx_infer_kernels {
 namespace {
@@ -115,9 +116,9 @@ struct Generic {
 
 const QmmKernel& kernel_generic() {
 #if defined(__aarch64__)
-  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>};
+  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>};
 #else
-  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>};
+  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>};
 #endif
   return k;
 }

@@ -23,6 +23,31 @@ struct QmmArgs {
   Dtype y_dtype;
 };
 
+// Attention of R query rows over keys [s0, s1) of one KV head of a quantized cache (MLX's affine
+// layout, one row per token, groups along head_dim): the flash-decoding partial of that key range.
+struct AttnArgs {
+  const float* q;         // [H, R, D] float32, row-contiguous
+  const uint32_t* k;      // [H, C, D * k_bits / 32]
+  const void* k_scales;   // [H, C, D / group_size], k_dtype
+  const void* k_biases;
+  const uint32_t* v;      // [H, C, Dv * v_bits / 32]
+  const void* v_scales;   // [H, C, Dv / group_size], v_dtype
+  const void* v_biases;
+  int H, R, P, S, C, D, Dv, group_size, k_bits, v_bits;
+  Dtype k_dtype, v_dtype;
+  float scale;
+};
+
+// Per-row partial softmax state of one key range: running max m[R], sum l[R], unnormalized acc[R, Dv].
+struct AttnPartial {
+  float* m;
+  float* l;
+  float* acc;
+};
+
+// Keys per tile of the attention loop (dequantized K and V tiles stay in L1).
+constexpr int kAttnTile = 32;
+
 // A kernel variant: its vector width and its row loop.
 struct QmmKernel {
   const char* name;  // "avx512", "avx2", "generic"
@@ -32,6 +57,9 @@ struct QmmKernel {
   void (*rows)(const QmmArgs& a, int n0, int n1, float* scratch);
   // Dequantizes w rows [n0, n1) to float32 out [n1 - n0, K] in natural order (the wide path).
   void (*dequant)(const QmmArgs& a, int n0, int n1, float* out);
+  // The partial of head h over keys [s0, s1) (query row r sees keys s <= S - P + r % P). scratch:
+  // kAttnTile * (D + Dv + R) floats, private to the calling thread.
+  void (*attend)(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch);
 };
 
 const QmmKernel& kernel_avx512();

@@ -23,7 +23,7 @@ __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationSt
 
 
 def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None,
-         kv_cache: str = "dense", kv_budget=None, block_size: int = 16) -> Engine:
+         kv_cache: str = "dense", kv_budget=None, block_size: int = 16, **kv_quant) -> Engine:
     """Load a model and return an Engine.
 
     Args:
@@ -34,9 +34,11 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
         progress: callable(done, total, description) for download / conversion progress.
         kv_cache, kv_budget, block_size: the KV cache ("dense", default, or "paged"), its budget and block
             size (see Engine.configure_kv).
+        kv_quant: kv_bits, kv_scheme, kv_quant_start, kv_group_size: quantized KV (see Engine.configure_kv).
 
     Raises:
         MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF.
     """
     net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
-    return Engine(net, tokenizer, config, source, kv_cache=kv_cache, kv_budget=kv_budget, block_size=block_size)
+    return Engine(net, tokenizer, config, source, kv_cache=kv_cache, kv_budget=kv_budget, block_size=block_size,
+                  **kv_quant)

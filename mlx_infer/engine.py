@@ -25,8 +25,11 @@ from .generation.assemble import StepAssembler
 from .generation.detokenize import make_detokenizer
 from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.sampling import SamplingParams
-from .kv.defaults import BLOCK_SIZE
+from .kv.attention_hook import install as install_attention_hook
+from .kv.defaults import BLOCK_SIZE, KV_GROUP_SIZE
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
+from .kv.quant_cache import kv_bytes_per_token, make_quant_cache
+from .kv.quant_options import KVQuant, kv_quant
 from .kv.session import KVRequest, PagedKV, release
 from .loading import ModelSource
 from .paths import model_fingerprint
@@ -85,7 +88,11 @@ class Engine:
     without holes, +1-4% with them, measured in bench/kv_core.py --overhead) or "paged" (a block pool per
     engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with reclaimed
     blocks); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
-    block_size (tokens per block, 16).
+    block_size (tokens per block, 16). Quantized KV (dense cache, single requests): kv_bits (8, 4 or
+    "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
+    keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
+    kept in float first), kv_group_size (64). Attention then reads the packed K/V through the kernel
+    layer's fused quant_attention.
 
     Attributes:
         model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
@@ -96,7 +103,7 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource, *, kv_cache: str = "dense",
-                 kv_budget: Union[None, int, float, str] = None, block_size: int = BLOCK_SIZE):
+                 kv_budget: Union[None, int, float, str] = None, block_size: int = BLOCK_SIZE, **kv_quant_options):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -109,21 +116,36 @@ class Engine:
         self._kept: Optional[KeptCache] = None
         self._kv: Optional[PagedKV] = None
         self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
-        self.configure_kv(kv_cache, kv_budget, block_size)
+        self._quant: Optional[KVQuant] = None
+        self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
-                     block_size: int = BLOCK_SIZE) -> None:
+                     block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
+                     kv_quant_start: int = 0, kv_group_size: int = KV_GROUP_SIZE) -> None:
         """Choose the KV cache of the next requests (see the class docstring); drops the kept cache.
 
         Raises:
             MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, or a
-                kv_budget / block_size other than the default given with the dense cache.
+                kv_budget / block_size other than the default given with the dense cache; a bad quantized-KV
+                option (see kv.quant_options.kv_quant), or kv_bits with the paged cache.
         """
         kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
+        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size)
         if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
+        if kind == "paged" and quant is not None:
+            raise MlxInferError("kv_bits needs the dense KV cache (quantized blocks in the paged cache are not "
+                                "supported yet): use kv_cache='dense'")
         self.reset()
         self._kv = PagedKV(self.model, budget, size) if kind == "paged" else None
+        self._quant = quant
+        if quant is not None:
+            install_attention_hook(self.model)
+
+    @property
+    def kv_bits(self) -> Optional[str]:
+        """The quantized KV setting of the next requests ("8", "k8v4", "kivi-4", ...), None for float KV."""
+        return str(self._quant) if self._quant is not None else None
 
     @property
     def kv_cache(self) -> str:
@@ -149,7 +171,9 @@ class Engine:
             release(kept.cache)
 
     def _fresh_cache(self) -> list:
-        return make_prompt_cache(self.model) if self._kv is None else self._kv.new_cache()
+        if self._kv is not None:
+            return self._kv.new_cache()
+        return make_prompt_cache(self.model) if self._quant is None else make_quant_cache(self.model, self._quant)
 
     def _cache_for(self, prompt_ids: List[int]):
         """(caches, start): the kept cache trimmed to its common prefix with the prompt (at most all but the
@@ -360,6 +384,7 @@ class Engine:
             raise
         finally:
             tokens.close()
+            token_bytes = kv_bytes_per_token(cache)
             if kv is not None:
                 kv.__exit__(None, None, None)
                 kv_stats = kv.stats()
@@ -384,6 +409,8 @@ class Engine:
             peak_memory_bytes=int(mx.get_peak_memory()),
             cached_prompt_tokens=cached,
             kv=kv_stats,
+            kv_bits=self.kv_bits,
+            kv_bytes_per_token=round(token_bytes, 3),
         )
         if spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = spec.mode, spec.tau, spec.rounds
@@ -408,7 +435,11 @@ class Engine:
     # ---- batched decoding (continuous batching over the block pool)
 
     def _batch_kv(self) -> PagedKV:
-        """The pool batched requests use: the engine's paged cache, or (dense engine) a private unbounded one."""
+        """The pool batched requests use: the engine's paged cache, or (dense engine) a private unbounded one.
+        Raises MlxInferError with quantized KV (batched decoding runs on float KV blocks)."""
+        if self._quant is not None:
+            raise MlxInferError("batched decoding runs on float KV blocks; quantized KV (kv_bits) is for single "
+                                "requests for now: configure_kv(kv_bits=None) first")
         if self._kv is not None:
             return self._kv
         if self._batch_pool is None:

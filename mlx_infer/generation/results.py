@@ -31,6 +31,9 @@ class GenerationStats:
             over the decode steps, after eviction), live_tokens, waste (1 - mean
             live fraction of its blocks, at the end), repacks, repack_s (host seconds), peak_kv_bytes (its most
             blocks x bytes per block, all layers, K and V), block_size, evict, repack, evicted_tokens.
+        kv_bits: the quantized KV cache's setting ("8", "4", "k8v4", "kivi-4"; None: float KV).
+        kv_bytes_per_token: KV bytes one token costs over all layers, K and V (scales included; 0 for the
+            paged cache, whose `kv` record has its blocks).
     """
 
     prompt_tokens: int = 0
@@ -47,6 +50,8 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     acceptance: Optional[List[float]] = None
+    kv_bits: Optional[str] = None
+    kv_bytes_per_token: float = 0.0
     kv: Optional[dict] = None
 
     def to_dict(self) -> dict:

@@ -5,4 +5,6 @@ by the default device and what is available.
   which swaps a loaded model's quantized layers for ones that use it.
 - `cpu`: the CPU kernels (an MLX C++ extension built on first use; `cpu.available()`, `cpu.why_not()`).
 - `gpu_qmm`: the Metal body and its CUDA twin.
+- `attention`: attention over a quantized KV cache (`attention.quant_attention`, `attention.attention_backend`),
+  on the CPU kernel, the GPU body of `gpu_attention` or the pure-mx reference.
 """

@@ -351,3 +351,17 @@ def cpu_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: 
         ValueError: shapes, dtypes, bits or group size the kernel does not take.
     """
     return _module().dequantize_f32(w, scales, biases, group_size, bits, stream=mx.cpu)
+
+
+def cpu_quant_attention(q: mx.array, keys, values, length: int, scale: float, positions: int, group_size: int,
+                        k_bits: int, v_bits: int) -> mx.array:
+    """Attention over a quantized KV cache on the CPU kernel (see kernels.attention.quant_attention for the
+    arguments): q [H, R, D] -> [H, R, Dv] in q's dtype, accumulated in float32.
+
+    Raises:
+        MlxInferError: the kernels are not available (why_not() says why).
+        ValueError: operands the kernel does not take.
+    """
+    out = _module().quant_attention(q, *keys, *values, length, scale, positions, group_size, k_bits, v_bits,
+                                    stream=mx.cpu)
+    return out if q.dtype == mx.float32 else out.astype(q.dtype)

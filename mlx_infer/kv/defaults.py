@@ -34,3 +34,10 @@ SNAPKV_KERNEL = 5
 #: Most bytes of KV blocks the prefix cache keeps for reuse when nothing else holds them, when the pool has
 #: no budget (with a budget, cached blocks are freed as requests need the room).
 PREFIX_CACHE_BYTES = 512 << 20
+#: Quantized KV: values per scale / bias (along head_dim; KIVI keys: along tokens). 64 keeps 4-bit K/V
+#: with float16 scales and biases at 4.5 bits per value (0.28x float16).
+KV_GROUP_SIZE = 64
+#: KIVI (arXiv 2402.02750): the most recent tokens kept in float (its paper: 32-128).
+KIVI_RESIDUAL = 64
+#: Token rows a quantized cache grows by (as mlx-lm's KVCache.step).
+QUANT_STEP = 256

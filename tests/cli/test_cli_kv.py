@@ -21,6 +21,11 @@ from cli_helpers import assert_user_error
     (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o:0.5", "--spec", "lookup"], "not supported yet"),
     (["chat", "--kv-cache", "paged", "--evict", "nope:0.3"], "unknown eviction policy"),
     (["chat", "--kv-cache", "paged", "--block-size", "x"], "--block-size"),
+    (["generate", "hi", "--kv-bits", "3"], "--kv-bits must be 8, 4 or kXvY"),
+    (["generate", "hi", "--kv-bits", "8", "--kv-scheme", "nf4"], "--kv-scheme must be one of affine, kivi"),
+    (["generate", "hi", "--kv-scheme", "kivi"], "add --kv-bits"),
+    (["generate", "hi", "--kv-bits", "8", "--kv-quant-start", "x"], "--kv-quant-start must be an integer"),
+    (["chat", "--kv-bits", "8", "--kv-cache", "paged"], "--kv-bits needs the dense KV cache"),
 ])
 def test_bad_kv_flags_fail_before_loading(run_cli, args, message):
     assert_user_error(run_cli(*args, "-m", "/definitely/not/here.gguf"), message)
@@ -45,3 +50,11 @@ def test_dense_json_has_no_kv(run_cli):
 def test_over_budget_is_one_error_line(run_cli):
     proc = run_cli("generate", "Name three colors.", "-n", "200", "--kv-cache", "paged", "--kv-budget", "1MB")
     assert_user_error(proc, "KV budget")
+
+
+def test_quantized_kv_json_and_stats(run_cli):
+    proc = run_cli("generate", "Name three colors.", "-n", "8", "--kv-bits", "k8v4", "--json", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)["stats"]
+    assert stats["kv_bits"] == "k8v4" and stats["kv_bytes_per_token"] == 30 * 3 * (64 + 32 + 2 * 2 * 2)
+    assert "kv quantized k8v4: 9360 B/token" in proc.stderr

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -467,3 +468,130 @@ def nvcc_compile(source: str, workdir: Path, stem: str, arch: str = "sm_90") -> 
     return subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-Werror", "all-warnings",
                            "-I", str(CUDA_HOST), "-c", str(path), "-o", str(workdir / f"{stem}.o")],
                           capture_output=True, text=True)
+
+
+# --- attention over a quantized KV cache (test_metal_attention.py, test_cuda_attention.py) ---------------
+
+#: Names of the dtypes of AttnConfig.
+ATTN_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """One attention check: n_kv heads, n_rep query heads per KV head, P positions (R = n_rep * P rows), head
+    dims D / Dv, K / V bits, group size, q's dtype and the scales' dtype (names of ATTN_DTYPES), S valid of C cache
+    rows, and the split length (None: the default)."""
+
+    n_kv: int
+    n_rep: int
+    positions: int
+    dim: int
+    v_dim: int
+    k_bits: int
+    v_bits: int
+    group_size: int
+    dtype: str
+    scale_dtype: str
+    length: int
+    capacity: int
+    split_length: Optional[int] = None
+
+    @property
+    def rows(self) -> int:
+        return self.n_rep * self.positions
+
+    @property
+    def id(self) -> str:
+        split = f"-split{self.split_length}" if self.split_length else ""
+        return (f"{self.dtype}-s{self.scale_dtype}-k{self.k_bits}v{self.v_bits}-g{self.group_size}-D{self.dim}"
+                f"x{self.v_dim}-rep{self.n_rep}-P{self.positions}-S{self.length}of{self.capacity}{split}")
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """Operands: q [n_kv, R, D], keys / values (w, scales, biases) with C rows; plus the scalar arguments."""
+
+    config: AttnConfig
+    q: mx.array
+    keys: Tuple[mx.array, mx.array, mx.array]
+    values: Tuple[mx.array, mx.array, mx.array]
+    scale: float
+
+    def args(self):
+        c = self.config
+        return (self.q, self.keys, self.values, c.length, self.scale, c.positions, c.group_size)
+
+
+def _packed(rng, n_kv, capacity, length, dim, bits, group_size, dtype):
+    w = mx.array(rng.integers(0, 2 ** 32, size=(n_kv, capacity, dim * bits // 32), dtype=np.uint64)
+                 .astype(np.uint32))
+    groups = dim // group_size
+    step = 1.0 / ((1 << bits) - 1)  # dequantized values within about [-1, 1]
+    scales = mx.array((rng.uniform(0.5 * step, 2.0 * step, size=(n_kv, capacity, groups))
+                      * rng.choice([-1.0, 1.0], size=(n_kv, capacity, groups))).astype(np.float32)).astype(dtype)
+    biases = mx.array(rng.uniform(-1.0, 1.0, size=(n_kv, capacity, groups)).astype(np.float32)).astype(dtype)
+    past = mx.arange(capacity)[None, :, None] >= length  # rows past S: NaN scales, so a read of them shows
+    return w, mx.where(past, float("nan"), scales).astype(dtype), biases
+
+
+def make_case(config: AttnConfig, seed: int = 0) -> AttnCase:
+    """Random operands: packed words uniform over all bit patterns, dequantized K / V within about [-1, 1],
+    q normal with standard deviation 2 (so the softmax is far from uniform), scale D ** -0.5. The cache rows
+    past S have random words and NaN scales: a kernel that reads them gives NaN."""
+    c = config
+    rng = np.random.default_rng(seed + zlib.crc32(c.id.encode()))
+    dtype, sdtype = ATTN_DTYPES[c.dtype], ATTN_DTYPES[c.scale_dtype]
+    q = mx.array(2.0 * rng.standard_normal((c.n_kv, c.rows, c.dim)).astype(np.float32)).astype(dtype)
+    keys = _packed(rng, c.n_kv, c.capacity, c.length, c.dim, c.k_bits, c.group_size, sdtype)
+    values = _packed(rng, c.n_kv, c.capacity, c.length, c.v_dim, c.v_bits, c.group_size, sdtype)
+    return AttnCase(config=c, q=q, keys=keys, values=values, scale=c.dim ** -0.5)
+
+
+def dequantize64(packed, dim: int, bits: int, group_size: int, dtype: mx.Dtype) -> np.ndarray:
+    """MLX's affine dequantization in float64: value d of a row is scales[d // gs] * q_d + biases[d // gs], q_d
+    the bits [bits * (d % vpw), ...) of word d // vpw."""
+    w, scales, biases = (to_numpy(a) for a in packed)
+    vpw = 32 // bits
+    shifts = (bits * np.arange(vpw, dtype=np.uint32))
+    quant = ((w[..., None] >> shifts) & np.uint32((1 << bits) - 1)).reshape(*w.shape[:-1], dim)
+    s = np.repeat(as_float64(scales, dtype), group_size, axis=-1)
+    b = np.repeat(as_float64(biases, dtype), group_size, axis=-1)
+    return s * quant.astype(np.float64) + b
+
+
+def attention_oracle(case: AttnCase) -> Tuple[np.ndarray, np.ndarray]:
+    """(out, bound): out [n_kv, R, Dv] float64; bound [n_kv, R, Dv] = sum_s p_s |v_s| * (1 + max_s |score|), the
+    scale of the float32 error of the kernel (a relative error e of a score moves p_s by |score| e)."""
+    c = case.config
+    sdtype = ATTN_DTYPES[c.scale_dtype]
+    k = dequantize64([a[:, :c.length] for a in case.keys], c.dim, c.k_bits, c.group_size, sdtype)
+    v = dequantize64([a[:, :c.length] for a in case.values], c.v_dim, c.v_bits, c.group_size, sdtype)
+    q = as_float64(to_numpy(case.q), ATTN_DTYPES[c.dtype]) * case.scale
+    scores = q @ k.transpose(0, 2, 1)  # [n_kv, R, S]
+    last = c.length - c.positions + np.arange(c.rows) % c.positions
+    visible = np.arange(c.length)[None, :] <= last[:, None]
+    scores = np.where(visible[None], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    worst = np.where(visible[None], np.abs(scores), 0.0).max(axis=-1, keepdims=True)
+    return p @ v, (p @ np.abs(v)) * (1.0 + worst)
+
+
+#: Float32 error allowed relative to the oracle's bound (dot products of <= 256 terms, exp, sums of <= 1024).
+ATTN_RTOL = 2e-6
+
+
+def attention_error_ratio(out: np.ndarray, case: AttnCase) -> float:
+    """max |out - oracle| / allowed, allowed = ATTN_RTOL * bound + eps * |oracle| + OUTPUT_ATOL (eps: the output
+    dtype's unit roundoff); inf where out has a NaN. <= 1 passes."""
+    dtype = ATTN_DTYPES[case.config.dtype]
+    ref, bound = attention_oracle(case)
+    got = as_float64(out, dtype)
+    allowed = ATTN_RTOL * bound + OUTPUT_EPS[dtype] * np.abs(ref) + OUTPUT_ATOL
+    ratio = np.abs(got - ref) / allowed
+    return float("inf") if np.isnan(ratio).any() else float(ratio.max())
+
+
+def assert_attention_close(out: np.ndarray, case: AttnCase, label: str) -> None:
+    ratio = attention_error_ratio(out, case)
+    assert ratio <= 1.0, f"{label}: worst error {ratio:.3g}x the allowed bound"

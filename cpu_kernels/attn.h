@@ -1,0 +1,54 @@
+// Attention over a quantized KV cache as an MLX operation (a Primitive with eval_cpu).
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mlx_infer_kernels {
+
+namespace mx = mlx::core;
+
+// out [H, R, Dv] float32 = softmax(scale * q k^T) v per KV head h over the first `length` token rows of a
+// quantized cache, query row r seeing keys s <= length - positions + r % positions.
+// q [H, R, D] float32/float16/bfloat16; k [H, C, D * k_bits / 32] uint32 and k_scales, k_biases
+// [H, C, D / group_size] (MLX's affine layout, one row per token), v likewise with v_bits and Dv;
+// length <= C. bits 4 or 8, group_size 32, 64 or 128, D and Dv multiples of 32.
+// Throws std::invalid_argument on other shapes or dtypes, or a stream that is not on the CPU.
+mx::array quant_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& k_scales,
+    const mx::array& k_biases,
+    const mx::array& v,
+    const mx::array& v_scales,
+    const mx::array& v_biases,
+    int length,
+    float scale,
+    int positions,
+    int group_size,
+    int k_bits,
+    int v_bits,
+    mx::StreamOrDevice s = {});
+
+class QuantAttention : public mx::Primitive {
+ public:
+  QuantAttention(mx::Stream stream, int length, float scale, int positions, int group_size, int k_bits,
+                 int v_bits)
+      : mx::Primitive(stream), length_(length), scale_(scale), positions_(positions),
+        group_size_(group_size), k_bits_(k_bits), v_bits_(v_bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxInferQuantAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int length_;
+  float scale_;
+  int positions_;
+  int group_size_;
+  int k_bits_;
+  int v_bits_;
+};
+
+}  // namespace mlx_infer_kernels

@@ -1,0 +1,40 @@
+"""The one place mlx-infer reaches into mlx-lm's attention: model modules call
+`scaled_dot_product_attention(queries, keys, values, cache=..., scale=..., mask=...)`, a name each imports
+from mlx_lm.models.base. `install(model)` rebinds that name in the modules of the model's layers to
+`attention`, which hands a QuantKVCache layer to the fused kernel over its packed K/V and everything else
+(float caches, masks the kernel does not take, attention sinks) to mlx-lm's own function, unchanged.
+Models whose modules do not use the name still run on a quantized cache through the float K/V it returns.
+"""
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
+
+from .quant_cache import QuantKVCache
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask, sinks=None) -> mx.array:
+    """mlx-lm's scaled_dot_product_attention, with the fused quantized-KV kernel for a QuantKVCache.
+    queries [B, n_q, L, D], keys / values [B, n_kv, S, D] -> [B, n_q, L, Dv]."""
+    if isinstance(cache, QuantKVCache) and sinks is None:
+        out = cache.fused_attention(queries, scale, mask)
+        if out is not None:
+            return out
+    return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install(model: nn.Module) -> int:
+    """Rebind scaled_dot_product_attention to `attention` in the mlx-lm modules of `model`'s layers (once
+    per module; idempotent). Returns how many modules use it."""
+    hooked = 0
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        if not name.startswith("mlx_lm.models.") or module is None:
+            continue
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is mlx_lm_attention:
+            module.scaled_dot_product_attention = attention
+        hooked += getattr(module, "scaled_dot_product_attention", None) is attention
+    return hooked

@@ -1,0 +1,97 @@
+"""Quantized-KV options (`--kv-bits`, `--kv-scheme`, `--kv-quant-start`, `--kv-group-size`), parsed and
+checked in plain Python before any model work; each bad value is one MlxInferError line naming it."""
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..errors import MlxInferError
+from .defaults import KIVI_RESIDUAL, KV_GROUP_SIZE
+
+#: KV quantization schemes: "affine" (K and V per token, groups along head_dim, as mlx-lm's
+#: QuantizedKVCache) and "kivi" (arXiv 2402.02750: K per channel, groups along tokens; V per token; the
+#: most recent tokens kept in float).
+KV_SCHEMES = ("affine", "kivi")
+#: Bit widths of quantized K / V.
+KV_BITS = (4, 8)
+#: Group sizes along head_dim (affine) or along tokens (KIVI keys).
+KV_GROUP_SIZES = (32, 64, 128)
+
+_BITS = re.compile(r"^(?:(\d+)|k(\d+)v(\d+))$")
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How a request's KV cache is quantized.
+
+    Attributes:
+        k_bits, v_bits: 4 or 8.
+        scheme: "affine" or "kivi".
+        group_size: values per scale / bias (along head_dim; KIVI keys: along tokens).
+        start: tokens kept in float before quantization begins (0: from the first token); at the
+            threshold the float context is quantized in place.
+        residual: KIVI's float window of the most recent tokens (0 for affine).
+    """
+
+    k_bits: int
+    v_bits: int
+    scheme: str = "affine"
+    group_size: int = KV_GROUP_SIZE
+    start: int = 0
+    residual: int = 0
+
+    def __str__(self) -> str:
+        bits = str(self.k_bits) if self.k_bits == self.v_bits else f"k{self.k_bits}v{self.v_bits}"
+        return bits if self.scheme == "affine" else f"kivi-{bits}"
+
+
+def parse_kv_bits(kv_bits: Union[None, int, str]):
+    """`8`, `4`, `k8v4` (K and V apart) as (k_bits, v_bits); None, "none", "off", "16", "float" as None.
+
+    Raises:
+        MlxInferError: anything else.
+    """
+    if kv_bits is None or str(kv_bits).strip().lower() in ("", "none", "off", "float", "16"):
+        return None
+    if isinstance(kv_bits, bool):
+        raise MlxInferError(f"kv_bits cannot be {kv_bits!r}: give 8, 4 or kXvY (e.g. k8v4)")
+    m = _BITS.match(str(kv_bits).strip().lower())
+    bits = (int(m.group(1)),) * 2 if m and m.group(1) else ((int(m.group(2)), int(m.group(3))) if m else None)
+    if bits is None or any(b not in KV_BITS for b in bits):
+        raise MlxInferError(f"kv_bits must be 8, 4 or kXvY with X, Y in {{4, 8}} (e.g. k8v4), got {kv_bits!r}")
+    return bits
+
+
+def _nonnegative_int(value, name: str) -> int:
+    text = str(value).strip()
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not text.isdigit():
+        raise MlxInferError(f"{name} must be an integer >= 0 (tokens), got {value!r}")
+    return int(text)
+
+
+def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant_start: Union[int, str] = 0,
+             kv_group_size: Union[int, str] = KV_GROUP_SIZE,
+             kv_residual: Union[int, str] = KIVI_RESIDUAL) -> Optional[KVQuant]:
+    """The KVQuant of these options, or None for a float cache (kv_bits None).
+
+    Raises:
+        MlxInferError: a bad kv_bits, an unknown scheme, a negative start, a group size other than 32 / 64
+            / 128, or a KIVI residual that is not a multiple of the group size; or a scheme / start given
+            without kv_bits.
+    """
+    bits = parse_kv_bits(kv_bits)
+    scheme = str(kv_scheme).strip().lower()
+    if scheme not in KV_SCHEMES:
+        raise MlxInferError(f"kv_scheme must be one of {', '.join(KV_SCHEMES)}, got {kv_scheme!r}")
+    start = _nonnegative_int(kv_quant_start, "kv_quant_start")
+    group = _nonnegative_int(kv_group_size, "kv_group_size")
+    if group not in KV_GROUP_SIZES:
+        raise MlxInferError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size!r}")
+    if bits is None:
+        if scheme != "affine" or start:
+            raise MlxInferError("kv_scheme and kv_quant_start apply to a quantized KV cache: add kv_bits (e.g. 8)")
+        return None
+    residual = _nonnegative_int(kv_residual, "kv_residual") if scheme == "kivi" else 0
+    if residual % group:
+        raise MlxInferError(f"kv_residual ({residual}) must be a multiple of kv_group_size ({group})")
+    return KVQuant(bits[0], bits[1], scheme, group, start, residual)

@@ -1,0 +1,228 @@
+"""The quantized KV cache (kv/quant_cache.py): its options, what it stores and returns (affine, KIVI, the
+quantization threshold, trim), the fused attention against mlx-lm's attention on the same packed K/V for
+every architecture, and the engine paths (speculative decoding, kept caches, stats, refusals, recall)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_infer
+from gguf_factory import MODEL_TYPES, TinySpec, random_weights, write_gguf
+from mlx_infer.errors import MlxInferError
+from mlx_infer.kv import attention_hook
+from mlx_infer.kv.quant_cache import QuantKVCache, make_quant_cache
+from mlx_infer.kv.quant_options import KVQuant, kv_quant, parse_kv_bits
+
+
+@pytest.fixture(scope="module")
+def models64(tmp_path_factory):
+    """arch -> a tiny random model with head_dim 64 (what the kernels tile), GQA 4:2; gemma3: 6 layers,
+    five of them sliding windows of 8 tokens (float rotating caches)."""
+    out = {}
+    for arch in MODEL_TYPES:
+        kw = {"layers": 6, "sliding_window": 8} if arch == "gemma3" else {}
+        spec = TinySpec(arch, hidden=256, ffn=256, **kw)  # 4 heads of 64 (qwen2 derives head_dim)
+        path = write_gguf(tmp_path_factory.mktemp("q") / f"{arch}.gguf", spec, random_weights(spec, seed=5), Q.F32)
+        out[arch] = mlx_infer.load(str(path), weights="native").model
+    return out
+
+
+def kv(length, seed, n_kv=2, dim=64):
+    """Random keys and values [1, n_kv, length, dim] with a few large channels (as real keys have)."""
+    scale = 1 + (mx.arange(dim) % 5) * 2
+    k = mx.random.normal((1, n_kv, length, dim), key=mx.random.key(seed)) * scale
+    v = mx.random.normal((1, n_kv, length, dim), key=mx.random.key(seed + 1))
+    return k, v
+
+
+def per_token(x, bits, gs=64):
+    """MLX's affine round trip per token row, float16 scales (the cache's storage), as float32."""
+    w, s, b = mx.quantize(x.astype(mx.float16), group_size=gs, bits=bits)
+    return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
+
+
+def per_channel(x, bits, gs):
+    """KIVI's keys: each channel quantized over chunks of gs tokens. x [1, H, T, D] (T a multiple of gs)."""
+    _, H, T, D = x.shape
+    xt = x[0].reshape(H, T // gs, gs, D).transpose(0, 3, 1, 2)  # [H, D, chunks, gs]
+    return per_token(xt, bits, gs).transpose(0, 2, 3, 1).reshape(1, H, T, D)
+
+
+def test_options():
+    assert parse_kv_bits("8") == (8, 8) and parse_kv_bits(4) == (4, 4) and parse_kv_bits("k8v4") == (8, 4)
+    assert parse_kv_bits(None) is None and parse_kv_bits("none") is None
+    assert kv_quant("k4v8", "kivi", "100") == KVQuant(4, 8, "kivi", 64, 100, 64)
+    assert str(kv_quant("k8v4")) == "k8v4" and str(kv_quant("4", "kivi")) == "kivi-4"
+    assert kv_quant(None) is None
+    for bad, msg in [(("3",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
+                     (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "add kv_bits"),
+                     (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of")]:
+        with pytest.raises(MlxInferError, match=msg):
+            kv_quant(*bad)
+
+
+@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
+def test_affine_cache_returns_each_token_round_tripped(bits):
+    """Chunks of 100, 1 and 37 tokens: the K/V returned are every token's own round trip (per token, so
+    chunking does not matter), the offset counts them, and the packed rows grow past QUANT_STEP."""
+    cache = QuantKVCache(KVQuant(*bits))
+    k, v = kv(300, 0)
+    for a, b in ((0, 100), (100, 101), (101, 138), (138, 300)):
+        keys, values = cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
+    assert cache.offset == 300 and cache.n_quantized == 300
+    np.testing.assert_array_equal(np.array(keys), np.array(per_token(k, bits[0])))
+    np.testing.assert_array_equal(np.array(values), np.array(per_token(v, bits[1])))
+
+
+def test_kivi_quantizes_keys_per_channel_and_keeps_the_recent_tokens_in_float():
+    """Residual 64, groups of 32: after 150 tokens the oldest 64 (two whole chunks) are packed (keys per
+    channel, values per token) and the last 86 are exactly the float inputs."""
+    cache = QuantKVCache(kv_quant("4", "kivi", kv_group_size=32, kv_residual=64))
+    k, v = kv(150, 1)
+    for a in range(0, 150, 10):
+        keys, values = cache.update_and_fetch(k[:, :, a:a + 10], v[:, :, a:a + 10])
+    assert cache.n_quantized == 64
+    np.testing.assert_array_equal(np.array(keys[:, :, 64:]), np.array(k[:, :, 64:]))
+    np.testing.assert_array_equal(np.array(values[:, :, 64:]), np.array(v[:, :, 64:]))
+    np.testing.assert_array_equal(np.array(keys[:, :, :64]), np.array(per_channel(k[:, :, :64], 4, 32)))
+    np.testing.assert_array_equal(np.array(values[:, :, :64]), np.array(per_token(v[:, :, :64], 4, 32)))
+
+
+def test_threshold_converts_the_whole_float_context():
+    """kv_quant_start 100: 60 tokens stay float; the forward that crosses 100 quantizes all 120 (the
+    prefilled context is kept, as its round trip)."""
+    cache = QuantKVCache(kv_quant("8", kv_quant_start=100))
+    k, v = kv(120, 2)
+    keys, _ = cache.update_and_fetch(k[:, :, :60], v[:, :, :60])
+    assert cache.n_quantized == 0
+    np.testing.assert_array_equal(np.array(keys), np.array(k[:, :, :60]))
+    keys, values = cache.update_and_fetch(k[:, :, 60:], v[:, :, 60:])
+    assert cache.n_quantized == 120
+    np.testing.assert_array_equal(np.array(keys), np.array(per_token(k, 8)))
+    np.testing.assert_array_equal(np.array(values), np.array(per_token(v, 8)))
+
+
+@pytest.mark.parametrize("quant", [kv_quant("8"), kv_quant("4", "kivi", kv_group_size=32, kv_residual=32),
+                                   kv_quant("k8v4", kv_quant_start=50)], ids=str)
+def test_trim_drops_the_last_tokens_and_keeps_the_rest(quant):
+    """Trimming (speculative rollback, a kept cache cut to a common prefix) leaves the first tokens as they
+    were returned before, even when it reaches into KIVI's packed chunks; appending then goes on."""
+    cache = QuantKVCache(quant)
+    k, v = kv(130, 3)
+    for a in range(0, 130, 13):
+        keys, values = cache.update_and_fetch(k[:, :, a:a + 13], v[:, :, a:a + 13])
+    before_k, before_v = np.array(keys), np.array(values)
+    for n in (3, 40):
+        assert cache.trim(n) == n
+    assert cache.offset == 87
+    k2, v2 = kv(1, 9)
+    keys, values = cache.update_and_fetch(k2, v2)
+    assert cache.offset == 88
+    np.testing.assert_array_equal(np.array(keys[:, :, :87]), before_k[:, :, :87])
+    np.testing.assert_array_equal(np.array(values[:, :, :87]), before_v[:, :, :87])
+    assert cache.trim(1000) == 88 and cache.offset == 0
+
+
+@pytest.mark.parametrize("arch", list(MODEL_TYPES))
+@pytest.mark.parametrize("bits", ["8", "k8v4"])
+def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, monkeypatch, arch, bits):
+    """Prefill of 20 tokens, 4 decode steps and a verify forward of 4 tokens: logits with the fused kernel
+    over the packed K/V equal those of mlx-lm's attention over the dequantized K/V the cache returns."""
+    model = models64[arch]
+    prompt = [5, 17, 260, 99, 3, 101, 42, 7, 255, 12, 64, 200, 31, 8, 150, 11, 90, 2, 33, 70]
+
+    def run():
+        cache = make_quant_cache(model, kv_quant(bits))
+        outs = [model(mx.array([prompt]), cache=cache)[0, -1]]
+        for t in (9, 1, 4, 6):
+            outs.append(model(mx.array([[t]]), cache=cache)[0, -1])
+        outs.append(model(mx.array([[8, 10, 12, 14]]), cache=cache)[0])
+        return np.concatenate([np.array(o.astype(mx.float32)).reshape(-1) for o in outs])
+
+    assert attention_hook.install(model) >= 1
+    fused = run()
+    module = __import__(type(model.layers[0].self_attn).__module__, fromlist=["_"])
+    monkeypatch.setattr(module, "scaled_dot_product_attention", attention_hook.mlx_lm_attention)
+    plain = run()
+    np.testing.assert_allclose(fused, plain, rtol=0, atol=2e-5 * np.abs(plain).max())
+
+
+def test_sliding_window_layers_keep_mlx_lm_caches(models64):
+    cache = make_quant_cache(models64["gemma3"], kv_quant("8"))
+    kinds = [type(c).__name__ for c in cache]
+    assert kinds.count("QuantKVCache") == 1 and kinds.count("RotatingKVCache") == 5
+
+
+def test_head_dim_the_kernels_cannot_take_is_a_clear_error(tmp_path):
+    spec = TinySpec("llama")  # head_dim 16
+    model = mlx_infer.load(str(write_gguf(tmp_path / "m.gguf", spec, random_weights(spec), Q.F32)), weights="native").model
+    with pytest.raises(MlxInferError, match="head dim that is a multiple of 32"):
+        model(mx.array([[1, 2, 3]]), cache=make_quant_cache(model, kv_quant("8")))
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf):
+    return mlx_infer.load()
+
+
+def test_engine_stats_and_lossless_speculation(engine):
+    """8-bit KV: kv_bytes_per_token is 30 layers x 3 KV heads x (64 + 64 bytes of codes + 2 x 2 float16
+    scale/bias pairs) = 12240 (0.53x float16's 23040); speculative decoding over the quantized target is
+    lossless (greedy: the same tokens as plain decoding on it)."""
+    engine.configure_kv(kv_bits="8")
+    try:
+        prompt = ("Copy this text exactly, twice: The quick brown fox jumps over the lazy dog while the cat "
+                  "sleeps on the warm red mat.")
+        plain = engine.generate(prompt, max_tokens=32)
+        assert plain.stats.kv_bits == "8" and plain.stats.kv_bytes_per_token == 30 * 3 * (64 + 64 + 2 * 2 * 2)
+        engine.reset()
+        spec = engine.generate(prompt, max_tokens=32, speculative="lookup", max_draft=4)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.rounds < len(spec.token_ids)  # it did speculate
+    finally:
+        engine.configure_kv()
+    assert engine.generate("Hi", max_tokens=2).stats.kv_bytes_per_token == 30 * 3 * 64 * 2 * 4  # float32 KV
+
+
+def test_kept_cache_continues_a_chat(engine):
+    """A next turn prefills only its new tokens on the kept quantized cache and answers as a fresh run."""
+    engine.configure_kv(kv_bits="8")
+    try:
+        first = [{"role": "user", "content": "Name a fruit that is red."}]
+        r1 = engine.generate(first, max_tokens=12)
+        turn = first + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And a yellow one?"}]
+        r2 = engine.generate(turn, max_tokens=12)
+        assert r2.stats.cached_prompt_tokens > 0
+        engine.reset()
+        fresh = engine.generate(turn, max_tokens=12)
+        assert fresh.stats.cached_prompt_tokens == 0 and fresh.token_ids == r2.token_ids
+    finally:
+        engine.configure_kv()
+
+
+def test_refusals(engine):
+    with pytest.raises(MlxInferError, match="dense KV cache"):
+        engine.configure_kv(kv_cache="paged", kv_bits="8")
+    engine.configure_kv(kv_bits="4")
+    try:
+        with pytest.raises(MlxInferError, match="batched decoding runs on float KV"):
+            engine.generate_batch(["Hi", "Yo"], max_batch=2)
+    finally:
+        engine.configure_kv()
+
+
+def test_recall_of_an_early_fact(engine, wikitext):
+    """A fact stated at the start of a ~700-token prompt and asked at the end: 8-bit KV (from token 0, and
+    converted at a threshold in the middle of the prompt) answers as float KV does."""
+    filler = engine.tokenizer.decode(engine.tokenizer.encode(wikitext[:6000])[:600])
+    prompt = (f"Remember this: the secret password is BLUE-HORSE-42.\n\n{filler}\n\n"
+              "What is the secret password mentioned at the start? Answer with the password only.")
+    want = engine.generate(prompt, max_tokens=10).token_ids
+    for options in ({"kv_bits": "8"}, {"kv_bits": "8", "kv_quant_start": 300}):
+        engine.configure_kv(**options)
+        try:
+            assert engine.generate(prompt, max_tokens=10).token_ids == want, options
+        finally:
+            engine.configure_kv()
