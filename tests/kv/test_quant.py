@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_infer
 from gguf_factory import MODEL_TYPES, TinySpec, random_weights, write_gguf
