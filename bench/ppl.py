@@ -233,11 +233,11 @@ def kv_rows(model: nn.Module, windows: List[List[int]], prefix_len: int, setting
     (KVQuant or None, prefix_len, number of windows), reused and added to (the same windows)."""
     runs_of = {} if runs_of is None else runs_of
 
-    def runs(quant):
+    def runs(quant, label="float"):
         key = (quant, prefix_len, len(windows))
         if key not in runs_of:
             runs_of[key] = [kv_run(model, w, prefix_len, quant) for w in windows]
-            log(f"{quant or 'float'}: {sum(r['seconds'] for r in runs_of[key]):.0f} s")
+            log(f"{label}, window {len(windows[0])}: {sum(r['seconds'] for r in runs_of[key]):.0f} s")
         return runs_of[key]
 
     ref = runs(None)
@@ -245,7 +245,7 @@ def kv_rows(model: nn.Module, windows: List[List[int]], prefix_len: int, setting
     ref_ppl = ppl(ref_nll)
     rows = []
     for label, quant in settings:
-        got = runs(quant)
+        got = runs(quant, label)
         nll = np.concatenate([r["nll"] for r in got])
         kl = np.concatenate([mean_kl(f["logp"], r["logp"]) for f, r in zip(ref, got)])
         agree = np.concatenate([r["top"] == f["top"] for f, r in zip(ref, got)])

@@ -92,7 +92,7 @@ BlockSizeOpt = Annotated[str, typer.Option(
     "--block-size", metavar="N", rich_help_panel=KV, help="Tokens per KV block of the paged cache.")]
 KVBitsOpt = Annotated[Optional[str], typer.Option(
     "--kv-bits", metavar="8|4|kXvY", rich_help_panel=KV,
-    help="Quantize the KV cache: 8 or 4 bits, or K and V apart (k8v4); lossy (see docs/kv.md for the measured "
+    help="Quantize the KV cache: 8 or 4 bits, or K and V apart (k8v4); lossy (see docs/kv_quant.md for the measured "
          "quality); dense cache, single requests. Default: float KV.")]
 KVSchemeOpt = Annotated[str, typer.Option(
     "--kv-scheme", metavar="|".join(KV_SCHEMES), rich_help_panel=KV,

@@ -26,7 +26,7 @@ from .generation.detokenize import make_detokenizer
 from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.sampling import SamplingParams
 from .kv.attention_hook import install as install_attention_hook
-from .kv.defaults import BLOCK_SIZE, KV_GROUP_SIZE
+from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
 from .kv.quant_cache import kv_bytes_per_token, make_quant_cache
 from .kv.quant_options import KVQuant, kv_quant
@@ -91,7 +91,7 @@ class Engine:
     block_size (tokens per block, 16). Quantized KV (dense cache, single requests): kv_bits (8, 4 or
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
     keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
-    kept in float first), kv_group_size (64). Attention then reads the packed K/V through the kernel
+    kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64). Attention then reads the packed K/V through the kernel
     layer's fused quant_attention.
 
     Attributes:
@@ -121,7 +121,8 @@ class Engine:
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
-                     kv_quant_start: int = 0, kv_group_size: int = KV_GROUP_SIZE) -> None:
+                     kv_quant_start: int = 0, kv_group_size: int = KV_GROUP_SIZE,
+                     kv_residual: int = KIVI_RESIDUAL) -> None:
         """Choose the KV cache of the next requests (see the class docstring); drops the kept cache.
 
         Raises:
@@ -130,7 +131,7 @@ class Engine:
                 option (see kv.quant_options.kv_quant), or kv_bits with the paged cache.
         """
         kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
-        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size)
+        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual)
         if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
         if kind == "paged" and quant is not None:

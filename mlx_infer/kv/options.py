@@ -43,7 +43,7 @@ def check_block_size(block_size) -> int:
     """`block_size` (an int, or a string of digits) as an int >= 1, tokens per KV block. Raises MlxInferError
     otherwise."""
     text = str(block_size).strip()
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, str)) or not text.isdigit() or int(text) < 1:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, str)) or not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise MlxInferError(f"block_size must be an integer >= 1 (tokens per KV block), got {block_size!r}")
     return int(text)
 

@@ -257,12 +257,15 @@ class QuantKVCache:
         return sum(a.nbytes for a in self.k_store.arrays() + self.v_store.arrays()) + self.recent.nbytes
 
     def bytes_per_token(self) -> float:
-        """Bytes one packed token costs in this layer (K and V, scales and biases included; 0 before the
-        first update)."""
+        """Bytes a token held now costs in this layer on average (K and V, scales and biases included): packed
+        tokens at their packed size, tokens still in float (before the threshold, KIVI's window) at the
+        model's dtype; 0 before the first update."""
         if self.layout is None:
             return 0.0
         (n_kv, k_dim, v_dim), q, sb = self.layout, self.quant, 2 * SCALE_DTYPE.size
-        return n_kv * (k_dim * q.k_bits / 8 + v_dim * q.v_bits / 8 + (k_dim + v_dim) * sb / q.group_size)
+        packed = n_kv * (k_dim * q.k_bits / 8 + v_dim * q.v_bits / 8 + (k_dim + v_dim) * sb / q.group_size)
+        dense = n_kv * (k_dim + v_dim) * self.dtype.size
+        return (packed * self.n_quantized + dense * self.recent.offset) / max(1, self.offset)
 
 
 def kv_bytes_per_token(cache: list) -> float:

@@ -1,4 +1,5 @@
-"""Quantized-KV options (`--kv-bits`, `--kv-scheme`, `--kv-quant-start`, `--kv-group-size`), parsed and
+"""Quantized-KV options (`--kv-bits`, `--kv-scheme`, `--kv-quant-start`; in Python also kv_group_size and
+kv_residual), parsed and
 checked in plain Python before any model work; each bad value is one MlxInferError line naming it."""
 
 import re
@@ -64,7 +65,7 @@ def parse_kv_bits(kv_bits: Union[None, int, str]):
 
 def _nonnegative_int(value, name: str) -> int:
     text = str(value).strip()
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not text.isdigit():
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not (text.isascii() and text.isdigit()):
         raise MlxInferError(f"{name} must be an integer >= 0 (tokens), got {value!r}")
     return int(text)
 
@@ -89,7 +90,8 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
         raise MlxInferError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size!r}")
     if bits is None:
         if scheme != "affine" or start:
-            raise MlxInferError("kv_scheme and kv_quant_start apply to a quantized KV cache: add kv_bits (e.g. 8)")
+            raise MlxInferError("kv_scheme and kv_quant_start apply to a quantized KV cache: give kv_bits 8, 4 "
+                                "or kXvY (e.g. k8v4)")
         return None
     residual = _nonnegative_int(kv_residual, "kv_residual") if scheme == "kivi" else 0
     if residual % group:

@@ -23,7 +23,8 @@ from cli_helpers import assert_user_error
     (["chat", "--kv-cache", "paged", "--block-size", "x"], "--block-size"),
     (["generate", "hi", "--kv-bits", "3"], "--kv-bits must be 8, 4 or kXvY"),
     (["generate", "hi", "--kv-bits", "8", "--kv-scheme", "nf4"], "--kv-scheme must be one of affine, kivi"),
-    (["generate", "hi", "--kv-scheme", "kivi"], "add --kv-bits"),
+    (["generate", "hi", "--kv-scheme", "kivi"], "give --kv-bits"),
+    (["generate", "hi", "--kv-bits", "8", "--kv-quant-start", "\u00b2"], "--kv-quant-start must be an integer"),
     (["generate", "hi", "--kv-bits", "8", "--kv-quant-start", "x"], "--kv-quant-start must be an integer"),
     (["chat", "--kv-bits", "8", "--kv-cache", "paged"], "--kv-bits needs the dense KV cache"),
 ])

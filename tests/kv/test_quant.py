@@ -56,7 +56,8 @@ def test_options():
     assert str(kv_quant("k8v4")) == "k8v4" and str(kv_quant("4", "kivi")) == "kivi-4"
     assert kv_quant(None) is None
     for bad, msg in [(("3",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
-                     (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "add kv_bits"),
+                     (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "give kv_bits"),
+                     (("8", "affine", "\u00b2"), "kv_quant_start must be an integer"),
                      (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of")]:
         with pytest.raises(MlxInferError, match=msg):
             kv_quant(*bad)
@@ -95,10 +96,10 @@ def test_threshold_converts_the_whole_float_context():
     cache = QuantKVCache(kv_quant("8", kv_quant_start=100))
     k, v = kv(120, 2)
     keys, _ = cache.update_and_fetch(k[:, :, :60], v[:, :, :60])
-    assert cache.n_quantized == 0
+    assert cache.n_quantized == 0 and cache.bytes_per_token() == 2 * (64 + 64) * 4  # float32, 2 KV heads
     np.testing.assert_array_equal(np.array(keys), np.array(k[:, :, :60]))
     keys, values = cache.update_and_fetch(k[:, :, 60:], v[:, :, 60:])
-    assert cache.n_quantized == 120
+    assert cache.n_quantized == 120 and cache.bytes_per_token() == 2 * (64 + 64 + 2 * 2 * 2)  # 2 groups x scale, bias x 2 bytes
     np.testing.assert_array_equal(np.array(keys), np.array(per_token(k, 8)))
     np.testing.assert_array_equal(np.array(values), np.array(per_token(v, 8)))
 
