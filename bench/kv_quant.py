@@ -25,8 +25,9 @@ KV bytes per token: over all layers, K and V with their scales and biases (mlx-i
 fraction of generated tokens equal to the float row's at that context, position by position (llama.cpp's
 rows: to its own f16 row).
 
-    python bench/kv_quant.py                                      # 512 and 2k, 2 trials: ~10 min on 2 cores
-    python bench/kv_quant.py --contexts 512,2048,4096,8192 --trials 3   # the long run: ~2 h on 2 cores
+    python bench/kv_quant.py                                      # 512 and 2k, 2 trials: ~12 min on 2 cores
+    python bench/kv_quant.py --contexts 512,2048,4096,8192 --trials 3   # the long run: ~4 h on 2 cores
+                                        # (a 4k prefill takes ~100 s, an 8k one ~5 min, per row and trial)
     python bench/kv_quant.py --contexts 4096 --trials 1 --settings float,8,kivi-4 --no-llama-cpp
 
 A context of c tokens is a prompt of c tokens (at most the model's window less --max-tokens + 1). Prints one

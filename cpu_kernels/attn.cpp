@@ -42,7 +42,7 @@ int check_cache(const mx::array& w, const mx::array& scales, const mx::array& bi
 
 }  // namespace
 
-mx::array quant_attention(
+std::vector<mx::array> quant_attention(
     const mx::array& q,
     const mx::array& k,
     const mx::array& k_scales,
@@ -56,6 +56,7 @@ mx::array quant_attention(
     int group_size,
     int k_bits,
     int v_bits,
+    bool channel_keys,
     mx::StreamOrDevice s) {
   for (int bits : {k_bits, v_bits}) {
     if (bits != 4 && bits != 8) {
@@ -65,26 +66,47 @@ mx::array quant_attention(
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("[quant_attention] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   }
-  const int D = check_cache(k, k_scales, k_biases, group_size, k_bits, "k");
+  int D, C;
+  if (channel_keys) {
+    if (k.ndim() != 3 || k.dtype() != mx::uint32) {
+      throw std::invalid_argument("[quant_attention] channel k must be a 3-D uint32 array, got " + shape_str(k));
+    }
+    D = k.shape(1);
+    C = k.shape(2) * 32 / k_bits;
+    const mx::Shape sb{k.shape(0), D, C / group_size};
+    if (C % group_size != 0 || k_scales.shape() != sb || k_biases.shape() != sb ||
+        k_scales.dtype() != k_biases.dtype()) {
+      throw std::invalid_argument("[quant_attention] channel k scales and biases must be one dtype, shaped " +
+                                  shape_str(mx::zeros(sb, mx::float32)) + ", got " + shape_str(k_scales));
+    }
+    to_kernel_dtype(k_scales.dtype(), "k_scales");
+    if (D % 32 != 0) {
+      throw std::invalid_argument("[quant_attention] head dim " + std::to_string(D) + " must be a multiple of 32");
+    }
+  } else {
+    D = check_cache(k, k_scales, k_biases, group_size, k_bits, "k");
+    C = k.shape(1);
+  }
   check_cache(v, v_scales, v_biases, group_size, v_bits, "v");
-  if (v.shape(0) != k.shape(0) || v.shape(1) != k.shape(1)) {
+  if (v.shape(0) != k.shape(0) || (!channel_keys && v.shape(1) != C)) {
     throw std::invalid_argument("[quant_attention] k and v must have the same heads and rows, got " + shape_str(k) +
                                 " and " + shape_str(v));
   }
+  C = std::min(C, v.shape(1));
   if (q.ndim() != 3 || q.shape(0) != k.shape(0) || q.shape(2) != D || q.shape(1) < 1) {
     throw std::invalid_argument("[quant_attention] q must be [" + std::to_string(k.shape(0)) + ", R, " +
                                 std::to_string(D) + "], got " + shape_str(q));
   }
-  if (positions < 1 || length < positions || length > k.shape(1) || q.shape(1) % positions != 0) {
+  if (positions < 1 || length < positions || length > C || q.shape(1) % positions != 0) {
     throw std::invalid_argument("[quant_attention] need 1 <= positions <= length <= cache rows and R a multiple of positions");
   }
   to_kernel_dtype(q.dtype(), "q");
   mx::Stream stream = cpu_stream(s);
   mx::array qf = row_contiguous(mx::astype(q, mx::float32, stream), stream);
   const int Dv = v.shape(2) * 32 / v_bits;
-  return mx::array(
-      {q.shape(0), q.shape(1), Dv}, mx::float32,
-      std::make_shared<QuantAttention>(stream, length, scale, positions, group_size, k_bits, v_bits),
+  return mx::array::make_arrays(
+      {{q.shape(0), q.shape(1), Dv}, {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
+      std::make_shared<QuantAttention>(stream, length, scale, positions, group_size, k_bits, v_bits, channel_keys),
       {qf, row_contiguous(k, stream), row_contiguous(k_scales, stream), row_contiguous(k_biases, stream),
        row_contiguous(v, stream), row_contiguous(v_scales, stream), row_contiguous(v_biases, stream)});
 }
@@ -93,10 +115,13 @@ void QuantAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const char* names[] = {"q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases"};
   for (size_t i = 0; i < inputs.size(); ++i) require_row_contiguous(inputs[i], names[i]);
   mx::array& out = outputs[0];
+  mx::array& lse = outputs[1];
   out.set_data(mx::allocator::malloc(out.nbytes()));
+  lse.set_data(mx::allocator::malloc(lse.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const mx::array& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
+  encoder.set_output_array(lse);
   AttnArgs a{};
   a.q = inputs[0].data<float>();
   a.k = inputs[1].data<uint32_t>();
@@ -108,7 +133,9 @@ void QuantAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.H = inputs[0].shape(0);
   a.R = inputs[0].shape(1);
   a.D = inputs[0].shape(2);
-  a.C = inputs[1].shape(1);
+  a.channel_keys = channel_keys_;
+  a.C = channel_keys_ ? inputs[1].shape(2) * 32 / k_bits_ : inputs[1].shape(1);
+  a.Cv = inputs[4].shape(1);
   a.Dv = out.shape(2);
   a.S = length_;
   a.P = positions_;
@@ -118,12 +145,13 @@ void QuantAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.k_dtype = to_kernel_dtype(inputs[2].dtype(), "k_scales");
   a.v_dtype = to_kernel_dtype(inputs[5].dtype(), "v_scales");
   a.scale = scale_;
-  encoder.dispatch([a, y = out.data<float>()]() {
+  encoder.dispatch([a, y = out.data<float>(), lse_out = lse.data<float>()]() {
     ThreadPool& pool = ThreadPool::instance();
     const int most = (a.S + kMinSplitTokens - 1) / kMinSplitTokens;
     const int wanted = (kSplitsPerThread * pool.size() + a.H - 1) / a.H;
     const int splits = std::max(1, std::min(most, wanted));
-    const int per = (a.S + splits - 1) / splits;
+    // Splits start on a tile, so that a tile of channel keys lies in one quantization group.
+    const int per = ((a.S + splits - 1) / splits + kAttnTile - 1) / kAttnTile * kAttnTile;
     const int64_t row_floats = 2 + a.Dv;  // m, l, acc[Dv] of one row of one split
     std::vector<float> partials(size_t(a.H) * splits * a.R * row_floats);
     const size_t scratch = size_t(kAttnTile) * (a.D + a.Dv + a.R);
@@ -158,6 +186,7 @@ void QuantAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
         }
         const float inv = 1.0f / l;
         for (int d = 0; d < a.Dv; ++d) o[d] *= inv;
+        lse_out[int64_t(h) * a.R + r] = m + std::log(l);
       }
     }
   });
@@ -170,11 +199,13 @@ void QuantAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 bool QuantAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantAttention&>(other);
   return length_ == o.length_ && scale_ == o.scale_ && positions_ == o.positions_ &&
-         group_size_ == o.group_size_ && k_bits_ == o.k_bits_ && v_bits_ == o.v_bits_;
+         group_size_ == o.group_size_ && k_bits_ == o.k_bits_ && v_bits_ == o.v_bits_ &&
+         channel_keys_ == o.channel_keys_;
 }
 
 std::vector<mx::Shape> QuantAttention::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[4].shape(2) * 32 / v_bits_}};
+  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[4].shape(2) * 32 / v_bits_},
+          {inputs[0].shape(0), inputs[0].shape(1)}};
 }
 
 }  // namespace mlx_infer_kernels

@@ -8,13 +8,16 @@ namespace mlx_infer_kernels {
 
 namespace mx = mlx::core;
 
-// out [H, R, Dv] float32 = softmax(scale * q k^T) v per KV head h over the first `length` token rows of a
-// quantized cache, query row r seeing keys s <= length - positions + r % positions.
+// {out [H, R, Dv], lse [H, R]} float32: out = softmax(scale * q k^T) v per KV head h over the first
+// `length` tokens of a quantized cache, query row r seeing keys s <= length - positions + r % positions,
+// and lse the log of the softmax's denominator (log sum_s exp(scale * q k_s)), to merge with other keys.
 // q [H, R, D] float32/float16/bfloat16; k [H, C, D * k_bits / 32] uint32 and k_scales, k_biases
-// [H, C, D / group_size] (MLX's affine layout, one row per token), v likewise with v_bits and Dv;
-// length <= C. bits 4 or 8, group_size 32, 64 or 128, D and Dv multiples of 32.
+// [H, C, D / group_size] (MLX's affine layout, one row per token) or, with channel_keys (KIVI), k
+// [H, D, C * k_bits / 32] and k_scales, k_biases [H, D, C / group_size] (each channel quantized along
+// tokens); v per token like k, with v_bits and Dv; length <= C. bits 4 or 8, group_size 32, 64 or 128,
+// D and Dv multiples of 32.
 // Throws std::invalid_argument on other shapes or dtypes, or a stream that is not on the CPU.
-mx::array quant_attention(
+std::vector<mx::array> quant_attention(
     const mx::array& q,
     const mx::array& k,
     const mx::array& k_scales,
@@ -28,14 +31,15 @@ mx::array quant_attention(
     int group_size,
     int k_bits,
     int v_bits,
+    bool channel_keys,
     mx::StreamOrDevice s = {});
 
 class QuantAttention : public mx::Primitive {
  public:
   QuantAttention(mx::Stream stream, int length, float scale, int positions, int group_size, int k_bits,
-                 int v_bits)
+                 int v_bits, bool channel_keys)
       : mx::Primitive(stream), length_(length), scale_(scale), positions_(positions),
-        group_size_(group_size), k_bits_(k_bits), v_bits_(v_bits) {}
+        group_size_(group_size), k_bits_(k_bits), v_bits_(v_bits), channel_keys_(channel_keys) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxInferQuantAttention"; }
@@ -49,6 +53,7 @@ class QuantAttention : public mx::Primitive {
   int group_size_;
   int k_bits_;
   int v_bits_;
+  bool channel_keys_;
 };
 
 }  // namespace mlx_infer_kernels

@@ -47,6 +47,28 @@ inline void dequant_tile(const QmmArgs& rows, int bits, int t0, int n, float* ou
   }
 }
 
+// Channel keys (KIVI): tokens [t0, t0 + n) of head h as float rows out [n, D]; the tokens lie in one
+// group of group_size tokens (t0 a multiple of kAttnTile, group_size a multiple of it).
+template <class S>
+inline void dequant_channel_tile(const AttnArgs& a, int h, int t0, int n, float* out) {
+  const int64_t words = int64_t(a.C) * a.k_bits / 32;  // packed words per channel row
+  const int64_t groups = a.C / a.group_size;
+  const int64_t g = t0 / a.group_size;
+  const uint32_t mask = (1u << a.k_bits) - 1u;
+  const int per_word = 32 / a.k_bits;
+  for (int d = 0; d < a.D; ++d) {
+    const int64_t row = int64_t(h) * a.D + d;
+    const float s = load_param<S>(a.k_scales, row * groups + g, a.k_dtype);
+    const float b = load_param<S>(a.k_biases, row * groups + g, a.k_dtype);
+    const uint32_t* w = a.k + row * words;
+    for (int j = 0; j < n; ++j) {
+      const int t = t0 + j;
+      const uint32_t code = (w[t / per_word] >> (a.k_bits * (t % per_word))) & mask;
+      out[int64_t(j) * a.D + d] = s * float(code) + b;
+    }
+  }
+}
+
 template <class S>
 inline float dot(const float* a, const float* b, int n) {
   using V = typename S::V;
@@ -65,8 +87,9 @@ void attend(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* sc
   float* kt = scratch;                  // [T, D]
   float* vt = kt + int64_t(T) * a.D;    // [T, Dv]
   float* sc = vt + int64_t(T) * a.Dv;   // [R, T] scores, then probabilities
-  const QmmArgs krows = head_rows(a.k, a.k_scales, a.k_biases, a.k_dtype, h, a.C, a.D, a.group_size, a.k_bits);
-  const QmmArgs vrows = head_rows(a.v, a.v_scales, a.v_biases, a.v_dtype, h, a.C, a.Dv, a.group_size, a.v_bits);
+  const QmmArgs krows = a.channel_keys ? QmmArgs{}
+      : head_rows(a.k, a.k_scales, a.k_biases, a.k_dtype, h, a.C, a.D, a.group_size, a.k_bits);
+  const QmmArgs vrows = head_rows(a.v, a.v_scales, a.v_biases, a.v_dtype, h, a.Cv, a.Dv, a.group_size, a.v_bits);
   const float* q = a.q + int64_t(h) * a.R * a.D;
   for (int r = 0; r < a.R; ++r) {
     out.m[r] = neg_inf;
@@ -75,7 +98,11 @@ void attend(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* sc
   }
   for (int t0 = s0; t0 < s1; t0 += T) {
     const int n = std::min(T, s1 - t0);
-    dequant_tile<S>(krows, a.k_bits, t0, n, kt);
+    if (a.channel_keys) {
+      dequant_channel_tile<S>(a, h, t0, n, kt);
+    } else {
+      dequant_tile<S>(krows, a.k_bits, t0, n, kt);
+    }
     for (int r = 0; r < a.R; ++r) {
       const int last = a.S - a.P + r % a.P;  // the last key row r sees
       const float* qr = q + int64_t(r) * a.D;

@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "attn.h"
 #include "qmm.h"
@@ -19,8 +20,8 @@ NB_MODULE(_cpu_kernels, m) {
         "The weight as float32 [N, K].");
   m.def("quant_attention", &mlx_infer_kernels::quant_attention, "q"_a, "k"_a, "k_scales"_a, "k_biases"_a, "v"_a,
         "v_scales"_a, "v_biases"_a, "length"_a, "scale"_a, "positions"_a, "group_size"_a, "k_bits"_a, "v_bits"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
-        "out [H, R, Dv] float32: attention of q [H, R, D] over a quantized KV cache (see attn.h).");
+        "channel_keys"_a = false, nb::kw_only(), "stream"_a = nb::none(),
+        "[out [H, R, Dv], lse [H, R]] float32: attention of q [H, R, D] over a quantized KV cache (see attn.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

@@ -27,15 +27,16 @@ struct QmmArgs {
 // layout, one row per token, groups along head_dim): the flash-decoding partial of that key range.
 struct AttnArgs {
   const float* q;         // [H, R, D] float32, row-contiguous
-  const uint32_t* k;      // [H, C, D * k_bits / 32]
-  const void* k_scales;   // [H, C, D / group_size], k_dtype
+  const uint32_t* k;      // [H, C, D * k_bits / 32]; channel keys: [H, D, C * k_bits / 32]
+  const void* k_scales;   // [H, C, D / group_size], k_dtype; channel keys: [H, D, C / group_size]
   const void* k_biases;
   const uint32_t* v;      // [H, C, Dv * v_bits / 32]
   const void* v_scales;   // [H, C, Dv / group_size], v_dtype
   const void* v_biases;
-  int H, R, P, S, C, D, Dv, group_size, k_bits, v_bits;
+  int H, R, P, S, C, Cv, D, Dv, group_size, k_bits, v_bits;  // C, Cv: K and V capacity rows (tokens)
   Dtype k_dtype, v_dtype;
   float scale;
+  bool channel_keys;      // KIVI's keys: each channel quantized along tokens (groups of group_size tokens)
 };
 
 // Per-row partial softmax state of one key range: running max m[R], sum l[R], unnormalized acc[R, Dv].

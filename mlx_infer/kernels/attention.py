@@ -30,7 +30,8 @@ REFERENCE_ROW_CHUNK = 256
 
 Packed = Tuple[mx.array, mx.array, mx.array]
 
-__all__ = ["ATTN_MAX_ROWS", "attention_backend", "packed_bits", "quant_attention", "reference_quant_attention"]
+__all__ = ["ATTN_MAX_ROWS", "attention_backend", "channel_keys_attention", "merge_attention", "packed_bits",
+           "quant_attention", "reference_channel_keys_attention", "reference_quant_attention"]
 
 
 def packed_bits(packed: Packed, group_size: int) -> Tuple[int, int]:
@@ -122,3 +123,51 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
     elif backend != "reference" and q.shape[1] <= ATTN_MAX_ROWS:
         return cpu.cpu_quant_attention(q, keys, values, length, scale, positions, group_size, k_bits, v_bits)
     return reference_quant_attention(q, keys, values, length, scale, positions, group_size)
+
+
+def reference_channel_keys_attention(q: mx.array, keys: Packed, values: Packed, length: int, scale: float,
+                                     group_size: int) -> Tuple[mx.array, mx.array]:
+    """The pure-mx oracle of channel_keys_attention: (out [H, R, Dv], lse [H, R]) float32."""
+    w, s, b = keys
+    k_bits = w.shape[-1] * 32 // (s.shape[-1] * group_size)
+    v_bits, _ = packed_bits(values, group_size)
+    k = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=k_bits)
+    k = k[:, :, :length].swapaxes(1, 2)  # [H, S, D]
+    v = _dequantize_f32(values, length, group_size, v_bits)  # [H, S, Dv]
+    scores = (q.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)  # [H, R, S]
+    lse = mx.logsumexp(scores, axis=-1)  # [H, R]
+    return mx.exp(scores - lse[..., None]) @ v, lse
+
+
+def channel_keys_attention(q: mx.array, keys: Packed, values: Packed, length: int, scale: float,
+                           group_size: int) -> Tuple[mx.array, mx.array]:
+    """Attention over KIVI's packed tokens (arXiv 2402.02750), every one visible to every query row.
+
+    Args:
+        q: [n_kv, R, D] queries (R <= ATTN_MAX_ROWS on the kernel; more rows run the reference).
+        keys: (w [n_kv, D, C * k_bits / 32] uint32, scales, biases [n_kv, D, C / group_size]): each channel
+            quantized along tokens in groups of group_size tokens.
+        values: per token, as quant_attention's.
+        length: packed tokens attended to (a multiple of group_size).
+
+    Returns:
+        (out [n_kv, R, Dv], lse [n_kv, R]) float32, lse the log of the softmax denominator, for
+        merge_attention with the float window's part.
+    """
+    k_bits = keys[0].shape[-1] * 32 // (keys[1].shape[-1] * group_size)
+    v_bits, _ = packed_bits(values, group_size)
+    if q.shape[1] <= ATTN_MAX_ROWS and attention_backend().startswith("cpu-"):
+        return cpu.cpu_quant_attention(q, keys, values, length, scale, 1, group_size, k_bits, v_bits,
+                                       channel_keys=True, with_lse=True)
+    return reference_channel_keys_attention(q, keys, values, length, scale, group_size)
+
+
+def merge_attention(parts) -> mx.array:
+    """Attention over the union of disjoint key sets from each set's (out [..., Dv], lse [...]) float32:
+    sum_i out_i exp(lse_i - m) / sum_i exp(lse_i - m), m = max_i lse_i."""
+    m = parts[0][1]
+    for _, lse in parts[1:]:
+        m = mx.maximum(m, lse)
+    weights = [mx.exp(lse - m) for _, lse in parts]
+    total = sum(w[..., None] * out for (out, _), w in zip(parts, weights))
+    return total / sum(weights)[..., None]

@@ -354,14 +354,18 @@ def cpu_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: 
 
 
 def cpu_quant_attention(q: mx.array, keys, values, length: int, scale: float, positions: int, group_size: int,
-                        k_bits: int, v_bits: int) -> mx.array:
+                        k_bits: int, v_bits: int, channel_keys: bool = False, with_lse: bool = False):
     """Attention over a quantized KV cache on the CPU kernel (see kernels.attention.quant_attention for the
-    arguments): q [H, R, D] -> [H, R, Dv] in q's dtype, accumulated in float32.
+    arguments): q [H, R, D] -> out [H, R, Dv] in q's dtype, accumulated in float32. channel_keys: keys in
+    KIVI's layout (w [H, D, C * k_bits / 32], scales / biases [H, D, C / group_size]). with_lse: return
+    (out float32, lse [H, R] float32), lse the log of the softmax denominator (to merge with other keys).
 
     Raises:
         MlxInferError: the kernels are not available (why_not() says why).
         ValueError: operands the kernel does not take.
     """
-    out = _module().quant_attention(q, *keys, *values, length, scale, positions, group_size, k_bits, v_bits,
-                                    stream=mx.cpu)
+    out, lse = _module().quant_attention(q, *keys, *values, length, scale, positions, group_size, k_bits, v_bits,
+                                         channel_keys, stream=mx.cpu)
+    if with_lse:
+        return out, lse
     return out if q.dtype == mx.float32 else out.astype(q.dtype)

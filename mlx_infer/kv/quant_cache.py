@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask, make_prompt_cache
 
 from ..errors import MlxInferError
-from ..kernels.attention import quant_attention
+from ..kernels.attention import channel_keys_attention, merge_attention, quant_attention
 from .defaults import QUANT_STEP
 from .quant_options import KVQuant
 
@@ -26,11 +26,11 @@ SCALE_DTYPE = mx.float16
 
 
 def _grow(a: Optional[mx.array], shape: Tuple[int, ...], axis: int, used: int, need: int,
-          dtype: mx.Dtype) -> mx.array:
-    """`a` with room for `need` entries along `axis` (grown in QUANT_STEP steps, the first `used` kept)."""
+          dtype: mx.Dtype, step: int = QUANT_STEP) -> mx.array:
+    """`a` with room for `need` entries along `axis` (grown `step` at a time, the first `used` kept)."""
     if a is not None and a.shape[axis] >= need:
         return a
-    size = -(-need // QUANT_STEP) * QUANT_STEP
+    size = -(-need // step) * step
     fresh = mx.zeros(shape[:axis] + (size,) + shape[axis + 1:], dtype)
     if a is None or used == 0:
         return fresh
@@ -90,14 +90,20 @@ class ChannelChunks:
         k = L // self.group_size
         xt = x.reshape(H, k, self.group_size, dim).transpose(0, 3, 1, 2)  # [H, dim, k, G]
         w, s, b = mx.quantize(xt.astype(SCALE_DTYPE), group_size=self.group_size, bits=self.bits)
-        need = self.n + k
-        self.w = _grow(self.w, (H, dim, 0, w.shape[-1]), 2, self.n, need, mx.uint32)
-        self.scales = _grow(self.scales, (H, dim, 0, 1), 2, self.n, need, SCALE_DTYPE)
-        self.biases = _grow(self.biases, (H, dim, 0, 1), 2, self.n, need, SCALE_DTYPE)
+        need, step = self.n + k, max(1, QUANT_STEP // self.group_size)  # chunks
+        self.w = _grow(self.w, (H, dim, 0, w.shape[-1]), 2, self.n, need, mx.uint32, step)
+        self.scales = _grow(self.scales, (H, dim, 0, 1), 2, self.n, need, SCALE_DTYPE, step)
+        self.biases = _grow(self.biases, (H, dim, 0, 1), 2, self.n, need, SCALE_DTYPE, step)
         self.w[:, :, self.n:need] = w
         self.scales[:, :, self.n:need] = s
         self.biases[:, :, self.n:need] = b
         self.n = need
+
+    def packed(self) -> Tuple[mx.array, mx.array, mx.array]:
+        """(w [H, dim, C * bits / 32], scales, biases [H, dim, C / group_size]) over the capacity C tokens
+        (the first n * group_size valid): each channel's codes along tokens, as the kernel reads them."""
+        H, dim = self.w.shape[:2]
+        return self.w.reshape(H, dim, -1), self.scales.reshape(H, dim, -1), self.biases.reshape(H, dim, -1)
 
     def dequantize(self, start: int = 0, dtype: mx.Dtype = mx.float32) -> mx.array:
         """Chunks [start, n) as float [H, (n - start) * group_size, dim]."""
@@ -208,17 +214,40 @@ class QuantKVCache:
         return keys, values
 
     def fused_attention(self, queries: mx.array, scale: float, mask) -> Optional[mx.array]:
-        """Attention of queries [1, n_q, L, D] over the packed K/V without dequantizing them (the kernel
-        layer's quant_attention), or None when it does not apply (float tokens held, or a mask other
-        than None for L == 1 / "causal")."""
+        """Attention of queries [1, n_q, L, D] over the packed K/V without dequantizing them, or None when
+        it does not apply (a mask other than None for L == 1 / "causal"; affine: float tokens held; KIVI:
+        no packed token yet, or the new tokens not all in the float window). Affine: the kernel layer's
+        quant_attention over every token. KIVI: channel_keys_attention over the packed tokens merged with
+        plain attention over the float window (the new tokens, causal)."""
         B, n_q, L, D = queries.shape
-        if self.recent.offset or self.n_quantized == 0 or not ((isinstance(mask, str) and mask == "causal") or (mask is None and L == 1)):
+        if self.n_quantized == 0 or not ((isinstance(mask, str) and mask == "causal") or (mask is None and L == 1)):
             return None
         n_kv = self.k_store.w.shape[0]
         q = queries.reshape(n_kv, (n_q // n_kv) * L, D)  # [n_kv, n_rep * L, D]: row r is position r % L
-        out = quant_attention(q, self.k_store.packed(), self.v_store.packed(), self.offset, scale, L,
-                              self.quant.group_size)  # [n_kv, n_rep * L, Dv]
-        return out.reshape(1, n_q, L, out.shape[-1])
+        if self.quant.scheme == "kivi":
+            if self.recent.offset < L:
+                return None
+            out = self._kivi_attention(q, scale, L)
+        elif self.recent.offset:
+            return None
+        else:
+            out = quant_attention(q, self.k_store.packed(), self.v_store.packed(), self.offset, scale, L,
+                                  self.quant.group_size)  # [n_kv, n_rep * L, Dv]
+        return out.astype(queries.dtype).reshape(1, n_q, L, out.shape[-1])
+
+    def _kivi_attention(self, q: mx.array, scale: float, L: int) -> mx.array:
+        """q [n_kv, R, D] -> [n_kv, R, Dv] float32 over the packed tokens and the float window."""
+        packed = channel_keys_attention(q, self.k_store.packed(), self.v_store.packed(), self.n_quantized, scale,
+                                        self.quant.group_size)
+        keys, values = self.recent.keys_and_values()  # [1, n_kv, r, D]
+        r = keys.shape[2]
+        scores = (q.astype(mx.float32) * scale) @ keys[0].astype(mx.float32).swapaxes(-1, -2)  # [n_kv, R, r]
+        if L > 1:
+            last = mx.arange(q.shape[1]) % L + (r - L)  # the last window index each row sees
+            scores = mx.where(mx.arange(r)[None, None, :] <= last[None, :, None], scores, -float("inf"))
+        lse = mx.logsumexp(scores, axis=-1)  # [n_kv, R]
+        window = (mx.exp(scores - lse[..., None]) @ values[0].astype(mx.float32), lse)
+        return merge_attention([packed, window])
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)

@@ -123,3 +123,25 @@ def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
     done = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), variant], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("n_kv, rows, length, cap, dim, kb, vb, gs", [
+    (3, 3, 256, 320, 64, 4, 4, 64), (2, 4, 96, 128, 64, 8, 4, 32), (1, 2, 640, 640, 256, 4, 8, 64),
+    (3, 9, 2048, 2304, 64, 4, 4, 32)])
+def test_channel_keys_kernel_matches_the_oracle(cpu_kernels, n_kv, rows, length, cap, dim, kb, vb, gs):
+    """KIVI's layout (each key channel quantized along tokens): out and the log-sum-exp against float64."""
+    x = mx.random.normal((n_kv, dim, cap), key=mx.random.key(7)) * (1 + mx.arange(dim) % 7)[:, None]
+    keys = mx.quantize(x.astype(mx.float16), group_size=gs, bits=kb)  # [H, D, C * kb / 32]
+    values = packed(n_kv, cap + 64, dim, vb, gs, 8)  # more V rows than K: capacities may differ
+    q = mx.random.normal((n_kv, rows, dim), key=mx.random.key(rows))
+    k = np.array(mx.dequantize(keys[0], keys[1].astype(mx.float32), keys[2].astype(mx.float32), group_size=gs,
+                               bits=kb), dtype=np.float64)[:, :, :length]  # [H, D, S]
+    v = np.array(mx.dequantize(*(a[:, :length] for a in values[:1]), values[1][:, :length].astype(mx.float32),
+                               values[2][:, :length].astype(mx.float32), group_size=gs, bits=vb), dtype=np.float64)
+    scores = dim ** -0.5 * np.array(q, dtype=np.float64) @ k  # [H, R, S]
+    lse = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
+    want = np.exp(scores - lse[..., None]) @ v
+    out, got_lse = cpu_kernels.cpu_quant_attention(q, keys, values, length, dim ** -0.5, 1, gs, kb, vb,
+                                                   channel_keys=True, with_lse=True)
+    np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(np.array(got_lse), lse, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 import mlx_infer
 from gguf_factory import MODEL_TYPES, TinySpec, random_weights, write_gguf
 from mlx_infer.errors import MlxInferError
-from mlx_infer.kv import attention_hook
+from mlx_infer.kv import attention_hook, quant_cache
 from mlx_infer.kv.quant_cache import QuantKVCache, make_quant_cache
 from mlx_infer.kv.quant_options import KVQuant, kv_quant, parse_kv_bits
 
@@ -126,15 +126,17 @@ def test_trim_drops_the_last_tokens_and_keeps_the_rest(quant):
 
 
 @pytest.mark.parametrize("arch", list(MODEL_TYPES))
-@pytest.mark.parametrize("bits", ["8", "k8v4"])
-def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, monkeypatch, arch, bits):
-    """Prefill of 20 tokens, 4 decode steps and a verify forward of 4 tokens: logits with the fused kernel
-    over the packed K/V equal those of mlx-lm's attention over the dequantized K/V the cache returns."""
+@pytest.mark.parametrize("quant", [kv_quant("8"), kv_quant("k8v4"), kv_quant("4", "kivi", kv_group_size=32, kv_residual=32)],
+                         ids=str)
+def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, monkeypatch, arch, quant):
+    """Prefill of 90 tokens, 4 decode steps and a verify forward of 4 tokens: logits with the fused kernel
+    over the packed K/V (KIVI: its packed tokens merged with its float window) equal those of mlx-lm's
+    attention over the dequantized K/V the cache returns."""
     model = models64[arch]
-    prompt = [5, 17, 260, 99, 3, 101, 42, 7, 255, 12, 64, 200, 31, 8, 150, 11, 90, 2, 33, 70]
+    prompt = [(37 * i) % 250 + 3 for i in range(90)]
 
     def run():
-        cache = make_quant_cache(model, kv_quant(bits))
+        cache = make_quant_cache(model, quant)
         outs = [model(mx.array([prompt]), cache=cache)[0, -1]]
         for t in (9, 1, 4, 6):
             outs.append(model(mx.array([[t]]), cache=cache)[0, -1])
@@ -142,7 +144,12 @@ def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, mon
         return np.concatenate([np.array(o.astype(mx.float32)).reshape(-1) for o in outs])
 
     assert attention_hook.install(model) >= 1
+    calls = []
+    for name in ("quant_attention", "channel_keys_attention"):
+        real = getattr(quant_cache, name)
+        monkeypatch.setattr(quant_cache, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     fused = run()
+    assert len(calls) >= 5 * sum(type(c).__name__ == "QuantKVCache" for c in make_quant_cache(model, quant))
     module = __import__(type(model.layers[0].self_attn).__module__, fromlist=["_"])
     monkeypatch.setattr(module, "scaled_dot_product_attention", attention_hook.mlx_lm_attention)
     plain = run()
