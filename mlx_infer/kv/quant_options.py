@@ -18,7 +18,7 @@ KV_BITS = (4, 8)
 #: Group sizes along head_dim (affine) or along tokens (KIVI keys).
 KV_GROUP_SIZES = (32, 64, 128)
 
-_BITS = re.compile(r"^(?:(\d+)|k(\d+)v(\d+))$")
+_BITS = re.compile(r"^(?:([0-9]+)|k([0-9]+)v([0-9]+))$")
 
 
 @dataclass(frozen=True)
