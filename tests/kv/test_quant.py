@@ -55,7 +55,7 @@ def test_options():
     assert kv_quant("k4v8", "kivi", "100") == KVQuant(4, 8, "kivi", 64, 100, 64)
     assert str(kv_quant("k8v4")) == "k8v4" and str(kv_quant("4", "kivi")) == "kivi-4"
     assert kv_quant(None) is None
-    for bad, msg in [(("3",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
+    for bad, msg in [(("3",), "kv_bits must be"), (("\uff18",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
                      (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "give kv_bits"),
                      (("8", "affine", "\u00b2"), "kv_quant_start must be an integer"),
                      (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of")]:
