@@ -473,6 +473,22 @@ def nvcc_compile(source: str, workdir: Path, stem: str, arch: str = "sm_90") -> 
 # --- attention over a quantized KV cache (test_metal_attention.py, test_cuda_attention.py) ---------------
 
 #: Names of the dtypes of AttnConfig.
+
+
+def ptxas_entries(ptxas: str) -> List[Tuple[str, int, int, int, int, int]]:
+    """Per kernel in nvcc's -Xptxas -v output: (name, stack bytes, spill stores, spill loads, registers,
+    shared memory bytes)."""
+    out = []
+    for block in re.split(r"ptxas info\s+: Compiling entry function '", ptxas)[1:]:
+        name = block.split("'", 1)[0]
+        stack, stores, loads = map(int, re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block).groups())
+        regs = int(re.search(r"Used (\d+) registers", block).group(1))
+        smem = re.search(r"(\d+) bytes smem", block)
+        out.append((name, stack, stores, loads, regs, int(smem.group(1)) if smem else 0))
+    return out
+
+
 ATTN_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 
 
@@ -505,6 +521,17 @@ class AttnConfig:
         split = f"-split{self.split_length}" if self.split_length else ""
         return (f"{self.dtype}-s{self.scale_dtype}-k{self.k_bits}v{self.v_bits}-g{self.group_size}-D{self.dim}"
                 f"x{self.v_dim}-rep{self.n_rep}-P{self.positions}-S{self.length}of{self.capacity}{split}")
+
+
+#: Shapes the real-device attention tests (Metal and CUDA) run: decode and verify rows, GQA groups, head dims
+#: 64 / 128 / 256, mixed bits, long caches with room past their length.
+ATTN_DEVICE_CONFIGS = (
+    AttnConfig(8, 1, 1, 64, 64, 8, 8, 64, "f16", "f16", 1000, 1024),
+    AttnConfig(8, 3, 1, 128, 128, 4, 4, 64, "bf16", "bf16", 3001, 4096),
+    AttnConfig(4, 4, 4, 256, 256, 8, 4, 32, "f16", "f16", 777, 800),
+    AttnConfig(2, 3, 4, 128, 128, 8, 8, 128, "f32", "f16", 5000, 5120),
+    AttnConfig(2, 3, 4, 64, 64, 4, 4, 32, "f32", "f32", 99, 128),
+)
 
 
 @dataclass(frozen=True)

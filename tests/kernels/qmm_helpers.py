@@ -1,7 +1,15 @@
 """Operands and oracles of the CPU kernel tests: random weights in MLX's affine layout, the float32 product
-computed by mx from the same operands, and the size of its terms (the scale of accumulation error)."""
+computed by mx from the same operands, and the size of its terms (the scale of accumulation error); and
+the runner of checks under another instruction-set variant."""
+
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
+import pytest
+
+from mlx_infer.blas import cpu_flags
 
 
 def quantized(n: int, k: int, group_size: int, bits: int, dtype=mx.float32, seed: int = 0):
@@ -22,3 +30,19 @@ def magnitude(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, grou
     """|x| @ |W|.T [M, N]: the scale of float32 accumulation error of each output (sum of |terms|)."""
     wf = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
     return mx.abs(x.astype(mx.float32)) @ mx.abs(wf).T
+
+
+def run_in_variant(script: str, variant: str, tmp_path) -> None:
+    """Run `script` (Python source; argv: this folder, the variant) in a fresh process with
+    MLX_INFER_KERNEL_ISA=variant (the variant is chosen once per process) and assert it exits 0. Skips
+    "avx2" on a CPU without AVX2 + FMA or off x86-64."""
+    if variant == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    if variant == "avx2" and not os.uname().machine.startswith("x86"):
+        pytest.skip("AVX2 is x86-64 only")
+    path = tmp_path / "check.py"
+    path.write_text(script)
+    env = dict(os.environ, MLX_INFER_KERNEL_ISA=variant)
+    done = subprocess.run([sys.executable, str(path), os.path.dirname(__file__), variant], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

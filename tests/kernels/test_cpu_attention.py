@@ -1,14 +1,12 @@
 """The CPU kernel of attention over a quantized KV cache (cpu_kernels/attn_body.h) against a float64 numpy
 oracle, and the pure-mx reference (kernels.attention.reference_quant_attention) against the same oracle."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from qmm_helpers import run_in_variant
 
 from mlx_infer.kernels.attention import quant_attention, reference_quant_attention
 
@@ -114,15 +112,7 @@ VARIANT_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("variant", ["avx2", "generic"])
 def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
     """The AVX2 and portable variants of the attention kernel (which this machine may not pick)."""
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if variant == "avx2" and not (os.uname().machine.startswith("x86") and " avx2" in flags and " fma" in flags):
-        pytest.skip("this CPU has no AVX2 + FMA")
-    script = tmp_path / "check.py"
-    script.write_text(VARIANT_CHECK)
-    env = dict(os.environ, MLX_INFER_KERNEL_ISA=variant)
-    done = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), variant], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_in_variant(VARIANT_CHECK, variant, tmp_path)
 
 
 @pytest.mark.parametrize("n_kv, rows, length, cap, dim, kb, vb, gs", [

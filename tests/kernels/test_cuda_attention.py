@@ -6,7 +6,6 @@ signature and template constants MLX writes), compiled by nvcc for sm_90 against
 float64 oracle (tolerance as in test_metal_attention.py).
 """
 
-import re
 
 import mlx.core as mx
 import pytest
@@ -29,19 +28,6 @@ def _source(config: AttnConfig) -> str:
                              launch.template)
 
 
-def _entries(ptxas: str):
-    """Per compiled kernel: (name, stack bytes, spill stores, spill loads, registers, shared memory bytes)."""
-    out = []
-    for block in re.split(r"ptxas info\s+: Compiling entry function '", ptxas)[1:]:
-        name = block.split("'", 1)[0]
-        stack, stores, loads = map(int, re.search(
-            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block).groups())
-        regs = int(re.search(r"Used (\d+) registers", block).group(1))
-        smem = re.search(r"(\d+) bytes smem", block)
-        out.append((name, stack, stores, loads, regs, int(smem.group(1)) if smem else 0))
-    return out
-
-
 def test_cuda_source_has_the_metal_body_verbatim():
     src = _source(AttnConfig(2, 3, 4, 128, 128, 8, 4, 64, "bf16", "f16", 50, 64))
     assert ga.ATTN_METAL_BODY in src and ga.CUDA_METAL_PRELUDE in src
@@ -57,7 +43,7 @@ def test_cuda_source_compiles_as_mlx_builds_it(tmp_path):
     result = h.nvcc_compile(_source(AttnConfig(8, 3, 4, 128, 128, 8, 4, 64, "bf16", "bf16", 900, 1024)),
                             tmp_path, "one")
     assert result.returncode == 0, result.stderr[-6000:]
-    [(name, stack, stores, loads, regs, smem)] = _entries(result.stderr)
+    [(name, stack, stores, loads, regs, smem)] = h.ptxas_entries(result.stderr)
     assert "custom_kernel_mlx_infer_quant_attention" in name
     assert (stack, stores, loads) == (0, 0, 0), "accumulators spilled to local memory"
 
@@ -72,7 +58,7 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
                                                    (8, 4, 64, "f32", "f16"))]
     result = h.nvcc_compile("\n".join(_source(c) for c in configs), tmp_path, "all")
     assert result.returncode == 0, result.stderr[-6000:]
-    entries = _entries(result.stderr)
+    entries = h.ptxas_entries(result.stderr)
     assert len(entries) == len(configs)
     for name, stack, stores, loads, regs, smem in entries:
         assert (stack, stores, loads) == (0, 0, 0), f"{name}: {stack} B stack, {stores}/{loads} B spills"
@@ -86,17 +72,10 @@ def test_cuda_quant_attention_refuses_without_cuda():
         ga.cuda_quant_attention(*case.args())
 
 
-DEVICE_CONFIGS = (
-    AttnConfig(8, 1, 1, 64, 64, 8, 8, 64, "f16", "f16", 1000, 1024),
-    AttnConfig(8, 3, 1, 128, 128, 4, 4, 64, "bf16", "bf16", 3001, 4096),
-    AttnConfig(4, 4, 4, 256, 256, 8, 4, 32, "f16", "f16", 777, 800),
-    AttnConfig(2, 3, 4, 128, 128, 8, 8, 128, "f32", "f16", 5000, 5120),
-    AttnConfig(2, 3, 4, 64, 64, 4, 4, 32, "f32", "f32", 99, 128),
-)
 
 
 @pytest.mark.skipif(not ga.cuda_available(), reason="needs MLX's CUDA back-end with the GPU as default device")
-@pytest.mark.parametrize("config", DEVICE_CONFIGS, ids=lambda c: c.id)
+@pytest.mark.parametrize("config", h.ATTN_DEVICE_CONFIGS, ids=lambda c: c.id)
 def test_cuda_device_matches_reference(config):
     case = h.make_case(config)
     out = ga.cuda_quant_attention(*case.args())

@@ -6,7 +6,6 @@ constants MLX writes), compiled by nvcc for sm_90 against a stand-in for MLX's d
 is the default device, the kernel's outputs match the float64 oracle (tolerance as in test_metal_qmm.py).
 """
 
-import re
 
 import mlx.core as mx
 import pytest
@@ -28,20 +27,6 @@ def _source(rows, k, n, group_size, bits, dtype):
                              [("y", dtype)], launch.template)
 
 
-def _entries(ptxas: str):
-    """Per compiled kernel: (name, stack bytes, spill stores, spill loads, registers, shared memory bytes)."""
-    out = []
-    blocks = re.split(r"ptxas info\s+: Compiling entry function '", ptxas)[1:]
-    for block in blocks:
-        name = block.split("'", 1)[0]
-        stack, stores, loads = map(int, re.search(
-            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block).groups())
-        regs = int(re.search(r"Used (\d+) registers", block).group(1))
-        smem = re.search(r"(\d+) bytes smem", block)
-        out.append((name, stack, stores, loads, regs, int(smem.group(1)) if smem else 0))
-    return out
-
-
 def test_cuda_source_has_the_metal_body_verbatim():
     src = _source(4, 576, 576, 32, 4, mx.float16)
     assert gpu_qmm.QMM_METAL_BODY in src and gpu_qmm.CUDA_METAL_PRELUDE in src
@@ -54,7 +39,7 @@ def test_cuda_source_compiles_as_mlx_builds_it(tmp_path):
     """One kernel, exactly one module as MLX would JIT it."""
     result = h.nvcc_compile(_source(9, 576, 1536, 32, 4, mx.bfloat16), tmp_path, "one")
     assert result.returncode == 0, result.stderr[-6000:]
-    [(name, stack, stores, loads, regs, smem)] = _entries(result.stderr)
+    [(name, stack, stores, loads, regs, smem)] = h.ptxas_entries(result.stderr)
     assert "custom_kernel_mlx_infer_qmm" in name
     assert (stack, stores, loads) == (0, 0, 0), "accumulators spilled to local memory"
 
@@ -67,7 +52,7 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
                for (k, n, gs) in ((576, 49152, 32), (1536, 576, 128), (576, 192, 64)) for rows in (1, 16)]
     result = h.nvcc_compile("\n".join(_source(*c) for c in configs), tmp_path, "all")
     assert result.returncode == 0, result.stderr[-6000:]
-    entries = _entries(result.stderr)
+    entries = h.ptxas_entries(result.stderr)
     assert len(entries) == len(configs)
     for name, stack, stores, loads, regs, smem in entries:
         assert (stack, stores, loads) == (0, 0, 0), f"{name}: {stack} B stack, {stores}/{loads} B spills"

@@ -277,16 +277,9 @@ def test_metal_quant_attention_refuses_without_metal():
 
 # --- 3. on a real Metal device ------------------------------------------------------------------------
 
-DEVICE_CONFIGS = (
-    AttnConfig(8, 1, 1, 64, 64, 8, 8, 64, "f16", "f16", 1000, 1024),
-    AttnConfig(8, 3, 1, 128, 128, 4, 4, 64, "bf16", "bf16", 3001, 4096),
-    AttnConfig(4, 4, 4, 256, 256, 8, 4, 32, "f16", "f16", 777, 800),
-    AttnConfig(2, 3, 4, 128, 128, 8, 8, 128, "f32", "f16", 5000, 5120),
-)
-
 
 @pytest.mark.skipif(not ga.metal_available(), reason="needs MLX on Metal with the GPU as default device")
-@pytest.mark.parametrize("config", DEVICE_CONFIGS, ids=lambda c: c.id)
+@pytest.mark.parametrize("config", h.ATTN_DEVICE_CONFIGS, ids=lambda c: c.id)
 def test_metal_device_matches_reference(config):
     case = h.make_case(config)
     out = ga.metal_quant_attention(*case.args())
