@@ -197,9 +197,10 @@ class QuantKVCache:
         self.v_store.append(values[0, :, :n])
         self._set_recent(keys[..., n:r, :], values[..., n:r, :])
 
-    def _set_recent(self, keys: Optional[mx.array], values: Optional[mx.array]) -> None:
+    def _set_recent(self, keys: mx.array, values: mx.array) -> None:
+        """The float window becomes keys [1, n_kv, r, D] and values [1, n_kv, r, Dv] (r may be 0)."""
         self.recent = KVCache()
-        if keys is not None and keys.shape[2] > 0:
+        if keys.shape[2] > 0:
             self.recent.update_and_fetch(keys, values)
 
     def _fetch(self) -> Tuple[mx.array, mx.array]:
