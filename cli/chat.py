@@ -18,7 +18,7 @@ from .generate import stream_to_stdout
 from .options import (
     BlockSizeOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVCacheOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
-    kv_kwargs, sampling_params, spec_kwargs,
+    RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
 )
 from .progress import PrefillBar, isatty, load_engine, prepare_speculation, stderr
 from .stats import print_stats
@@ -157,6 +157,7 @@ def chat(
     kv_bits: KVBitsOpt = None,
     kv_scheme: KVSchemeOpt = "affine",
     kv_quant_start: KVQuantStartOpt = "0",
+    rmm: RmmOpt = None,
     stats: bool = typer.Option(False, "--stats", help="Print stats of each answer to stderr."),
     verbose: VerboseOpt = False,
 ) -> None:
@@ -169,7 +170,7 @@ def chat(
         speculative = spec_kwargs(spec, draft_model, max_draft)
         kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative,
                                            kv_bits, kv_scheme, kv_quant_start)
-        engine = load_engine(model, weights.value, verbose)
+        engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
         if not engine.tokenizer.has_chat_template:

@@ -19,6 +19,7 @@ from mlx_infer import backend
 from mlx_infer.kernels import cpu as cpu_kernels
 from mlx_infer.kernels.attention import attention_backend
 from mlx_infer.kernels.qmm import qmm_backend
+from mlx_infer.kernels.rmm import rmm_backend
 from mlx_infer.loading import default
 from mlx_infer.paths import cache_dir
 
@@ -123,6 +124,7 @@ def collect() -> dict:
         "cpu_fast_path": backend_name == "cpu" and blas != "reference",
         "kernels": qmm_backend() if backend_name != "cpu" or cpu_kernels.available() else "reference",
         "attention_kernel": attention_backend(),
+        "rmm_kernel": rmm_backend(),
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "cache_dir": str(cache),
@@ -157,7 +159,7 @@ def render(info: dict) -> Table:
     else:
         threads = f", {info['kernel_threads']} threads" if info["kernel_threads"] else ""
         table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}; quantized-KV attention: "
-                                 f"{info['attention_kernel']}")
+                                 f"{info['attention_kernel']}; reduced matmul (--rmm): {info['rmm_kernel']}")
     if info["backend"] == "cpu":
         if info["kernel_threads"]:
             fast = "quantized weights on the CPU kernels (--weights auto)"

@@ -10,7 +10,7 @@ from .errors import fail, user_errors
 from .options import (
     BlockSizeOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVCacheOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
-    kv_kwargs, sampling_params, spec_kwargs,
+    RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
 )
 from .progress import PrefillBar, load_engine, prepare_speculation
 from .stats import print_stats
@@ -53,6 +53,7 @@ def generate(
     kv_bits: KVBitsOpt = None,
     kv_scheme: KVSchemeOpt = "affine",
     kv_quant_start: KVQuantStartOpt = "0",
+    rmm: RmmOpt = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print timing and memory stats to stderr.")] = False,
@@ -70,7 +71,7 @@ def generate(
         if system and no_chat_template:
             raise fail("--system needs the chat template; drop --no-chat-template or --system")
         text = read_prompt(prompt)
-        engine = load_engine(model, weights.value, verbose)
+        engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
         # tokenized once; a bad prompt fails before any measuring

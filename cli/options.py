@@ -11,12 +11,15 @@ from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kv.defaults import BLOCK_SIZE
 from mlx_infer.kv.options import KV_CACHES, check_block_size, check_kv_cache, parse_budget, parse_evict
 from mlx_infer.kv.quant_options import KV_SCHEMES, kv_quant
+from mlx_infer.rmm.defaults import RMM_PRESETS
+from mlx_infer.rmm.options import parse_rmm
 from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
 SAMPLING = "Sampling"
 MODEL = "Model"
 SPEC = "Speculative decoding"
 KV = "KV cache"
+RMM = "Reduced matmul"
 
 
 class Weights(str, Enum):
@@ -101,8 +104,19 @@ KVSchemeOpt = Annotated[str, typer.Option(
 KVQuantStartOpt = Annotated[str, typer.Option(
     "--kv-quant-start", metavar="N", rich_help_panel=KV,
     help="With --kv-bits: keep the first N tokens' KV in float; past N the whole cache is quantized.")]
+RmmOpt = Annotated[Optional[str], typer.Option(
+    "--rmm", metavar="SPEC|PRESET", rich_help_panel=RMM,
+    help="Reduced matrix multiplication (arXiv 2608.13426; lossy): keep this fraction of each product's "
+         "contraction per component, e.g. attn=0.5,mlp=0.9,qk=0.75 (components q k v o gate up down qk pv, "
+         "groups attn mlp linear all; per layer: mlp@0-3=0.5) or a preset: " + ", ".join(RMM_PRESETS) + ".")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Say more on stderr, and show tracebacks of errors.")]
+
+
+def check_rmm(rmm: Optional[str]) -> Optional[str]:
+    """The --rmm value, checked before the model loads (raises MlxInferError with the one-line reason)."""
+    parse_rmm(rmm)
+    return rmm
 
 
 def sampling_params(

@@ -86,10 +86,11 @@ class ProgressBar:
         self.close()
 
 
-def load_engine(model: Optional[str], weights: str, verbose: bool = False):
-    """`mlx_infer.load` with a progress bar; says what was loaded on stderr when verbose."""
+def load_engine(model: Optional[str], weights: str, verbose: bool = False, rmm: Optional[str] = None):
+    """`mlx_infer.load` with a progress bar (rmm: its RMM retention); says what was loaded on stderr when
+    verbose."""
     with ProgressBar("converting", always=verbose, activity=f"loading {model or 'the default model'}") as bar:
-        engine = mlx_infer.load(model, weights=weights, progress=bar)
+        engine = mlx_infer.load(model, weights=weights, progress=bar, rmm=rmm)
     if verbose:
         src = engine.source
         stderr.print(f"[dim]model {src.name} ({src.kind}) from {src.path}; MLX dir {src.mlx_dir}; "

@@ -10,7 +10,7 @@ from .progress import stderr
 def format_stats(stats: GenerationStats) -> str:
     """One line: prompt tokens (and how many came from the kept cache) / generated tokens, TTFT, prefill and decode speed, peak memory, and for speculative
     decoding the drafter, tau, rounds, draft / verify time and per-position acceptance; then a
-    line for quantized KV (its setting and bytes per token), and for the paged KV cache: retained blocks (average and end), live tokens, waste, peak KV bytes, eviction and repacks."""
+    line for RMM (its retention), one for quantized KV (its setting and bytes per token), and for the paged KV cache: retained blocks (average and end), live tokens, waste, peak KV bytes, eviction and repacks."""
     line = (
         f"prompt {stats.prompt_tokens} tok{f' ({stats.cached_prompt_tokens} cached)' if stats.cached_prompt_tokens else ''}, "
         f"generated {stats.generated_tokens} tok | "
@@ -23,6 +23,8 @@ def format_stats(stats: GenerationStats) -> str:
             rates = " ".join(f"{a:.2f}" for a in (stats.acceptance or []))
             line += (f": tau {stats.tau:.2f}, {stats.rounds} rounds, draft {stats.draft_s:.2f} s, "
                      f"verify {stats.verify_s:.2f} s, acceptance by position [{rates}]")
+    if stats.rmm is not None:
+        line += f"\nrmm {stats.rmm} (lossy)"
     if stats.kv_bits is not None:
         line += f"\nkv quantized {stats.kv_bits}: {stats.kv_bytes_per_token:.0f} B/token"
     if stats.kv is not None:

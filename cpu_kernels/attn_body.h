@@ -30,6 +30,7 @@ inline QmmArgs head_rows(const uint32_t* w, const void* scales, const void* bias
   r.scales = static_cast<const uint8_t*>(scales) + offset;
   r.biases = static_cast<const uint8_t*>(biases) + offset;
   r.K = dim;
+  r.G = dim / group_size;
   r.group_size = group_size;
   r.bits = bits;
   r.sb_dtype = dt;

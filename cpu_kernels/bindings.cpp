@@ -6,6 +6,7 @@
 
 #include "attn.h"
 #include "qmm.h"
+#include "rmm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -22,6 +23,9 @@ NB_MODULE(_cpu_kernels, m) {
         "v_scales"_a, "v_biases"_a, "length"_a, "scale"_a, "positions"_a, "group_size"_a, "k_bits"_a, "v_bits"_a,
         "channel_keys"_a = false, nb::kw_only(), "stream"_a = nb::none(),
         "[out [H, R, Dv], lse [H, R]] float32: attention of q [H, R, D] over a quantized KV cache (see attn.h).");
+  m.def("rmm_qmm", &mlx_infer_kernels::rmm_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "keep"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "y [M, N]: x [M, K] @ dequantize(w).T over the `keep` groups each row keeps (RMM, see rmm.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

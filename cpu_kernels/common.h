@@ -1,14 +1,17 @@
-// What the CPU kernels' MLX operations share (defined in qmm.cpp): the instruction-set variant in use,
+// What the CPU kernels' MLX operations share (the functions are defined in qmm.cpp): the instruction-set variant in use,
 // per-thread scratch, dtype and operand checks.
 #pragma once
 
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/array.h"
 #include "mlx/stream.h"
 #include "mlx/utils.h"
 #include "qmm_kernel.h"
+#include "thread_pool.h"
 
 namespace mlx_infer_kernels {
 
@@ -28,5 +31,73 @@ mx::array row_contiguous(const mx::array& a, mx::Stream s);
 mx::Stream cpu_stream(mx::StreamOrDevice s);
 // Throws std::runtime_error when `a` is not row-contiguous.
 void require_row_contiguous(const mx::array& a, const char* what);
+// n floats of `buffer`, starting on a cache line.
+float* aligned(std::vector<float>& buffer, size_t n);
+// Checks a quantized weight's operands (bits, group size, shapes, dtypes); returns N and K.
+std::pair<int, int> check_weights(
+    const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
+// The start of a matmul primitive's eval_cpu: the weight (inputs[first]), scales and biases must be
+// row-contiguous; `out` gets its buffer; every input and the output are registered with the stream's CPU
+// command encoder. Returns QmmArgs with the weight fields filled in (the caller adds x, y, M, N, K, G).
+QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::array& out, mx::Stream stream,
+                    int group_size, int bits);
+// QmmArgs of a product primitive whose inputs are x [M, K], w, scales, biases (weight_args, then x's shape
+// and the output's buffer and dtype; every group read).
+QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::Stream stream, int group_size,
+                     int bits);
+// load_x (below) for x of dtype float32, float16 or bfloat16.
+void load_x_as(const void* src, mx::Dtype dtype, const mx::Strides& st, int M, int K, int bits, int lanes,
+               float* dst);
+
+// Products smaller than this (M * N * K multiply-adds) run on one thread: splitting them costs more
+// than it saves (measured with bench/kernels.py on 2 cores).
+constexpr int64_t kParallelMinMacs = 1 << 18;
+// Chunks of rows per thread in a split product (later chunks balance a core that was busy).
+constexpr int kChunksPerThread = 4;
+
+// Calls fn(n0, n1, scratch) over [0, N) in chunks of whole row blocks, on one thread for small work.
+template <class F>
+void split_rows(int N, int K, int64_t macs, F&& fn) {
+  const QmmKernel& k = kernel();
+  ThreadPool& pool = ThreadPool::instance();
+  const size_t scratch_floats = size_t(k.rows_per_block) * K;
+  if (macs < kParallelMinMacs || pool.size() == 1) {
+    fn(0, N, thread_scratch(scratch_floats));
+    return;
+  }
+  const int rb = k.rows_per_block;
+  const int blocks = (N + rb - 1) / rb;
+  const int chunks = std::max(1, std::min(blocks, pool.size() * kChunksPerThread));
+  const int per_chunk = (blocks + chunks - 1) / chunks * rb;  // rows, a multiple of rb
+  const int n_chunks = (N + per_chunk - 1) / per_chunk;
+  pool.parallel_for(n_chunks, [&](int c) {
+    const int n0 = c * per_chunk;
+    fn(n0, std::min(N, n0 + per_chunk), thread_scratch(scratch_floats));
+  });
+}
+
+// x [M, K] (any strides) as row-contiguous float32 dst [M, K], in the kernel's order: for bits 4 each
+// block of 2 * lanes values holds its even-indexed values first, then the odd ones (the order the
+// kernel unpacks 4-bit codes in, see qmm_body.h).
+template <class T>
+void load_x(const T* src, const mx::Strides& st, int M, int K, int bits, int lanes, float* dst) {
+  for (int m = 0; m < M; ++m) {
+    const T* row = src + m * st[0];
+    float* out = dst + int64_t(m) * K;
+    if (bits == 4) {
+      for (int b = 0; b < K; b += 2 * lanes) {
+        for (int i = 0; i < lanes; ++i) {
+          out[b + i] = static_cast<float>(row[(b + 2 * i) * st[1]]);
+          out[b + lanes + i] = static_cast<float>(row[(b + 2 * i + 1) * st[1]]);
+        }
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        out[k] = static_cast<float>(row[k * st[1]]);
+      }
+    }
+  }
+}
+
 
 }  // namespace mlx_infer_kernels

@@ -16,12 +16,6 @@
 namespace mlx_infer_kernels {
 namespace {
 
-// Products smaller than this (M * N * K multiply-adds) run on one thread: splitting them costs more
-// than it saves (measured with bench/kernels.py on 2 cores).
-constexpr int64_t kParallelMinMacs = 1 << 18;
-// Chunks of rows per thread in a split product (later chunks balance a core that was busy).
-constexpr int kChunksPerThread = 4;
-
 const QmmKernel& pick_kernel() {
   const char* want = std::getenv("MLX_INFER_KERNEL_ISA");  // "avx2" or "generic" force a variant
   std::string w = want ? want : "";
@@ -93,8 +87,6 @@ void require_row_contiguous(const mx::array& a, const char* what) {
   }
 }
 
-namespace {
-
 // Checks the weight operands; returns N and K.
 std::pair<int, int> check_weights(
     const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
@@ -125,7 +117,7 @@ std::pair<int, int> check_weights(
   return {N, K};
 }
 
-// The start both primitives' eval_cpu share: the weight (inputs[first]), scales and biases must be
+// The start the primitives' eval_cpu share: the weight (inputs[first]), scales and biases must be
 // row-contiguous; `out` gets its buffer; every input and the output are registered with the stream's CPU
 // command encoder. Returns QmmArgs with the weight fields filled in (the caller adds x, y, M, N, K).
 QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::array& out, mx::Stream stream,
@@ -151,52 +143,6 @@ QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::arra
   a.sb_dtype = to_kernel_dtype(scales.dtype(), "scales");
   return a;
 }
-
-// Calls fn(n0, n1, scratch) over [0, N) in chunks of whole row blocks, on one thread for small work.
-template <class F>
-void split_rows(int N, int K, int64_t macs, F&& fn) {
-  const QmmKernel& k = kernel();
-  ThreadPool& pool = ThreadPool::instance();
-  const size_t scratch_floats = size_t(k.rows_per_block) * K;
-  if (macs < kParallelMinMacs || pool.size() == 1) {
-    fn(0, N, thread_scratch(scratch_floats));
-    return;
-  }
-  const int rb = k.rows_per_block;
-  const int blocks = (N + rb - 1) / rb;
-  const int chunks = std::max(1, std::min(blocks, pool.size() * kChunksPerThread));
-  const int per_chunk = (blocks + chunks - 1) / chunks * rb;  // rows, a multiple of rb
-  const int n_chunks = (N + per_chunk - 1) / per_chunk;
-  pool.parallel_for(n_chunks, [&](int c) {
-    const int n0 = c * per_chunk;
-    fn(n0, std::min(N, n0 + per_chunk), thread_scratch(scratch_floats));
-  });
-}
-
-// x [M, K] (any strides) as row-contiguous float32 dst [M, K], in the kernel's order: for bits 4 each
-// block of 2 * lanes values holds its even-indexed values first, then the odd ones (the order the
-// kernel unpacks 4-bit codes in, see qmm_body.h).
-template <class T>
-void load_x(const T* src, const mx::Strides& st, int M, int K, int bits, int lanes, float* dst) {
-  for (int m = 0; m < M; ++m) {
-    const T* row = src + m * st[0];
-    float* out = dst + int64_t(m) * K;
-    if (bits == 4) {
-      for (int b = 0; b < K; b += 2 * lanes) {
-        for (int i = 0; i < lanes; ++i) {
-          out[b + i] = static_cast<float>(row[(b + 2 * i) * st[1]]);
-          out[b + lanes + i] = static_cast<float>(row[(b + 2 * i + 1) * st[1]]);
-        }
-      }
-    } else {
-      for (int k = 0; k < K; ++k) {
-        out[k] = static_cast<float>(row[k * st[1]]);
-      }
-    }
-  }
-}
-
-}  // namespace
 
 std::string isa() {
   return kernel().name;
@@ -247,29 +193,40 @@ mx::array dequantize_f32(
       {row_contiguous(w, stream), row_contiguous(scales, stream), row_contiguous(biases, stream)});
 }
 
-void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::Stream stream, int group_size,
+                     int bits) {
   const mx::array& x = inputs[0];
-  mx::array& out = outputs[0];
-  QmmArgs a = weight_args(inputs, 1, out, stream(), group_size_, bits_);
+  QmmArgs a = weight_args(inputs, 1, out, stream, group_size, bits);
   a.y = out.data<void>();
   a.M = x.shape(0);
   a.K = x.shape(1);
   a.N = inputs[1].shape(0);
   a.ldy = a.N;
+  a.G = a.K / a.group_size;
   a.y_dtype = to_kernel_dtype(out.dtype(), "y");
+  return a;
+}
+
+void load_x_as(const void* src, mx::Dtype dtype, const mx::Strides& st, int M, int K, int bits, int lanes,
+               float* dst) {
+  if (dtype == mx::float32) {
+    load_x(static_cast<const float*>(src), st, M, K, bits, lanes, dst);
+  } else if (dtype == mx::float16) {
+    load_x(static_cast<const mx::float16_t*>(src), st, M, K, bits, lanes, dst);
+  } else {
+    load_x(static_cast<const mx::bfloat16_t*>(src), st, M, K, bits, lanes, dst);
+  }
+}
+
+void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& x = inputs[0];
+  QmmArgs a = product_args(inputs, outputs[0], stream(), group_size_, bits_);
   mx::cpu::get_command_encoder(stream()).dispatch([a, xp = x.data<void>(), xt = x.dtype(), xs = x.strides()]() mutable {
-    const int lanes = kernel().lanes;
+    const QmmKernel& k = kernel();
     std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order, on a cache line (small)
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
-    if (xt == mx::float32) {
-      load_x(static_cast<const float*>(xp), xs, a.M, a.K, a.bits, lanes, xf);
-    } else if (xt == mx::float16) {
-      load_x(static_cast<const mx::float16_t*>(xp), xs, a.M, a.K, a.bits, lanes, xf);
-    } else {
-      load_x(static_cast<const mx::bfloat16_t*>(xp), xs, a.M, a.K, a.bits, lanes, xf);
-    }
+    load_x_as(xp, xt, xs, a.M, a.K, a.bits, k.lanes, xf);
     a.x = xf;
-    const QmmKernel& k = kernel();
     split_rows(a.N, a.K, int64_t(a.M) * a.N * a.K, [&](int n0, int n1, float* scratch) {
       k.rows(a, n0, n1, scratch);
     });
@@ -281,6 +238,7 @@ void DequantizeF32::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   QmmArgs a = weight_args(inputs, 0, out, stream(), group_size_, bits_);
   a.N = out.shape(0);
   a.K = out.shape(1);
+  a.G = a.K / a.group_size;
   a.y_dtype = Dtype::f32;
   mx::cpu::get_command_encoder(stream()).dispatch([a, y = out.data<float>()]() {
     const QmmKernel& k = kernel();

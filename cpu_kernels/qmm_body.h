@@ -83,7 +83,7 @@ constexpr int64_t kPrefetchBytes = 16384;
 template <class S, int BITS>
 constexpr int kStep = BITS == 4 ? 2 * S::L : S::L;
 
-// Weight row n as float32 into out[0:K]. Kernel order (NATURAL false): for bits 4 each block of 2L
+// Weight row n as float32 into out[0:x_len(a)] (the groups read, in order). Kernel order (NATURAL false): for bits 4 each block of 2L
 // values holds the even-indexed ones first, then the odd ones (x is reordered the same way, see
 // load_x in qmm.cpp); natural order (NATURAL true) is the weight's own, for the wide path.
 template <class S, int BITS, bool NATURAL>
@@ -93,10 +93,11 @@ inline void dequant_row(const QmmArgs& a, int n, float* out) {
   const int gs = a.group_size;
   const int64_t groups = a.K / gs;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + int64_t(n) * a.K * BITS / 8;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t gi = 0; gi < a.G; ++gi) {
+    const int64_t g = read_group(a, gi);
     const V s = S::set1(load_param<S>(a.scales, n * groups + g, a.sb_dtype));
     const V b = S::set1(load_param<S>(a.biases, n * groups + g, a.sb_dtype));
-    float* o = out + g * gs;
+    float* o = out + gi * gs;
     const uint8_t* q = row + g * gs * BITS / 8;
     __builtin_prefetch(q + kPrefetchBytes, 0, 0);
     for (int k = 0; k < gs; k += kStep<S, BITS>) {
@@ -123,10 +124,10 @@ inline void fused_tile(const QmmArgs& a, int m0, int n) {
   using V = typename S::V;
   constexpr int L = S::L;
   constexpr int step = kStep<S, BITS>;
-  const int K = a.K;
+  const int K = x_len(a);  // x's row length
   const int gs = a.group_size;
-  const int64_t groups = K / gs;
-  const int64_t row_bytes = int64_t(K) * BITS / 8;
+  const int64_t groups = a.K / gs;
+  const int64_t row_bytes = int64_t(a.K) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
   const float* x = a.x + int64_t(m0) * K;
   V acc[MB][NB];
@@ -135,14 +136,17 @@ inline void fused_tile(const QmmArgs& a, int m0, int n) {
       acc[m][j] = S::zero();
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t gi = 0; gi < a.G; ++gi) {
+    const int64_t g = read_group(a, gi);
     float sb[NB][2];
     for (int j = 0; j < NB; ++j) {
       sb[j][0] = load_param<S>(a.scales, (n + j) * groups + g, a.sb_dtype);
       sb[j][1] = load_param<S>(a.biases, (n + j) * groups + g, a.sb_dtype);
       __builtin_prefetch(w + j * row_bytes + g * gs * BITS / 8 + kPrefetchBytes, 0, 0);
     }
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += step) {
+    for (int64_t kk = 0; kk < gs; kk += step) {
+      const int64_t k = gi * gs + kk;  // in x
+      const int64_t kw = g * gs + kk;  // in the weight row
       V xv[MB][2];
       for (int m = 0; m < MB; ++m) {
         xv[m][0] = S::load(x + int64_t(m) * K + k);
@@ -153,9 +157,9 @@ inline void fused_tile(const QmmArgs& a, int m0, int n) {
         const V s = S::set1(sb[j][0]);
         const V b = S::set1(sb[j][1]);
         if constexpr (BITS == 4) {
-          S::codes4(w + j * row_bytes + k / 2, q);
+          S::codes4(w + j * row_bytes + kw / 2, q);
         } else {
-          S::codes8(w + j * row_bytes + k, q);
+          S::codes8(w + j * row_bytes + kw, q);
         }
         q[0] = S::fma(q[0], s, b);
         if constexpr (BITS == 4) q[1] = S::fma(q[1], s, b);
@@ -196,7 +200,7 @@ template <class S, int NB, int MB>
 inline void tile(const QmmArgs& a, int m0, int n, const float* wq) {
   using V = typename S::V;
   constexpr int L = S::L;
-  const int K = a.K;
+  const int K = x_len(a);
   const float* x = a.x + int64_t(m0) * K;
   V acc[MB][NB];
   MLX_INFER_UNROLL
@@ -269,7 +273,7 @@ inline void row_block(const QmmArgs& a, int n, float* scratch) {
     return;
   }
   for (int j = 0; j < NB; ++j) {
-    dequant_row<S, BITS, false>(a, n + j, scratch + int64_t(j) * a.K);
+    dequant_row<S, BITS, false>(a, n + j, scratch + int64_t(j) * x_len(a));
   }
   tiles_over_m<S, NB, S::MB>(a, n, scratch);
 }

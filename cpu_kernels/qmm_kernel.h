@@ -21,7 +21,21 @@ struct QmmArgs {
   int M, N, K, group_size, bits;
   Dtype sb_dtype;
   Dtype y_dtype;
+  // The weight groups read (RMM's gathered product): nullptr for all K / group_size groups in order, else
+  // G ascending group indices. x then holds only those groups: [M, G * group_size], row-contiguous.
+  const int32_t* groups;
+  int G;
 };
+
+// Weight group read at position gi of the product (identity when every group is read).
+inline int64_t read_group(const QmmArgs& a, int64_t gi) {
+  return a.groups ? a.groups[gi] : gi;
+}
+
+// Length of x's rows (and of the dequantized scratch rows): the groups read times their size.
+inline int x_len(const QmmArgs& a) {
+  return a.G * a.group_size;
+}
 
 // Attention of R query rows over keys [s0, s1) of one KV head of a quantized cache (MLX's affine
 // layout, one row per token, groups along head_dim): the flash-decoding partial of that key range.

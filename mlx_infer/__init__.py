@@ -16,6 +16,8 @@ from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  #
 from .errors import MlxInferError  # noqa: E402
 from .generation.sampling import SamplingParams  # noqa: E402
 from .loading import load_model  # noqa: E402
+from .rmm.apply import reduce_model  # noqa: E402
+from .rmm.options import parse_rmm  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
@@ -23,7 +25,8 @@ __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationSt
 
 
 def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None,
-         kv_cache: str = "dense", kv_budget=None, block_size: int = 16, **kv_quant) -> Engine:
+         kv_cache: str = "dense", kv_budget=None, block_size: int = 16, rmm: Optional[str] = None,
+         **kv_quant) -> Engine:
     """Load a model and return an Engine.
 
     Args:
@@ -34,11 +37,17 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
         progress: callable(done, total, description) for download / conversion progress.
         kv_cache, kv_budget, block_size: the KV cache ("dense", default, or "paged"), its budget and block
             size (see Engine.configure_kv).
+        rmm: reduced matrix multiplication (arXiv 2608.13426; lossy): retention ratios per component,
+            e.g. "attn=0.5,mlp=0.9,qk=0.75" or a preset (see mlx_infer.rmm.options); None: exact.
         kv_quant: kv_bits, kv_scheme, kv_quant_start, kv_group_size: quantized KV (see Engine.configure_kv).
 
     Raises:
-        MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF.
+        MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF, a bad rmm.
     """
+    retention = parse_rmm(rmm)  # checked before any model work
     net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
+    if retention is not None:
+        reduce_model(net, retention)
+        source.rmm = str(retention)
     return Engine(net, tokenizer, config, source, kv_cache=kv_cache, kv_budget=kv_budget, block_size=block_size,
-                  **kv_quant)
+                  rmm=retention, **kv_quant)

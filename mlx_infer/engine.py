@@ -33,6 +33,8 @@ from .kv.quant_options import KVQuant, kv_quant
 from .kv.session import KVRequest, PagedKV, release
 from .loading import ModelSource
 from .paths import model_fingerprint
+from .rmm.attention import reduced_products
+from .rmm.options import Retention
 from .speculative import DraftModel, SpecOptions, SpecState, SpecStats, Target
 from .speculative.registry import target_names
 from .speculative.target import output_vocab
@@ -67,9 +69,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def measurement_key(source: ModelSource) -> str:
     """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
     priors): the model's content, not where it lies, its weights mode, the quantized-matmul kernel its layers
-    run on, the backend, BLAS and MLX version."""
-    return (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
-            f"{blas_in_use()}|{mx.__version__}")
+    run on, the backend, BLAS and MLX version, and the RMM retention of a reduced model."""
+    key = (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
+           f"{blas_in_use()}|{mx.__version__}")
+    return key if source.rmm is None else f"{key}|rmm:{source.rmm}"
 
 
 class Engine:
@@ -94,17 +97,24 @@ class Engine:
     kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64). Attention then reads the packed K/V through the kernel
     layer's fused quant_attention.
 
+    RMM (`mlx_infer.load(rmm=...)`, arXiv 2608.13426; lossy): the model's linear layers were reduced when it
+    was loaded; the attention products (qk, pv) are reduced inside each single request (batched decoding
+    refuses them).
+
     Attributes:
         model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
             and where it came from.
+        rmm: the model's RMM Retention, None when exact.
         vocab_size: the model's output vocabulary (rows of its logits, padding included).
         spec: SpecState, what speculative decoding keeps for this model (loaded drafters, schedulers,
             measured costs).
     """
 
     def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource, *, kv_cache: str = "dense",
-                 kv_budget: Union[None, int, float, str] = None, block_size: int = BLOCK_SIZE, **kv_quant_options):
+                 kv_budget: Union[None, int, float, str] = None, block_size: int = BLOCK_SIZE,
+                 rmm: Optional[Retention] = None, **kv_quant_options):
         self.model = model
+        self.rmm = rmm
         self.tokenizer = tokenizer
         self.config = config
         self.source = source
@@ -118,6 +128,8 @@ class Engine:
         self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
         self._quant: Optional[KVQuant] = None
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
+        if rmm is not None and rmm.products() != {"qk": 1.0, "pv": 1.0}:
+            install_attention_hook(self.model)
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
@@ -289,7 +301,8 @@ class Engine:
             prompt: see `encode`.
             params: SamplingParams; keyword arguments (temperature=..., max_tokens=...) override fields.
             speculative: "off" (plain decoding), "lookup" (prompt lookup, arXiv 2311.03511), "draft" (a draft
-                model), "layerskip" (the target minus some layers, arXiv 2309.08168), "dflash" (arXiv
+                model), "layerskip" (the target minus some layers, arXiv 2309.08168), "rmm" (the target with
+                its linear layers reduced, arXiv 2608.13426), "dflash" (arXiv
                 2602.06036) / "dspark" (block drafters fed the target's hidden states), or "auto" (a draft
                 model when given; else lookup, backed by the target's registered block drafter where its
                 calibration says it pays on this machine; plain decoding where speculation cannot pay).
@@ -308,7 +321,7 @@ class Engine:
 
         Raises:
             MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, a draft_model
-                given to a mode that uses none ("off", "lookup", "layerskip"), a bad evict, evict with the dense
+                given to a mode that uses none ("off", "lookup", "layerskip", "rmm"), a bad evict, evict with the dense
                 cache or with a speculative mode other than "auto"; KVBudgetError (an MlxInferError): a request
                 that cannot fit the KV budget (before prefill).
         """
@@ -370,15 +383,16 @@ class Engine:
         try:
             if kv is not None:
                 kv.__enter__()
-            for token in tokens:
-                first_at = first_at or time.perf_counter()
-                delivered.append(token)
-                if kv is not None:
-                    kv.step()
-                text = asm.add(token)
-                if text is None:
-                    break
-                yield GenerationStep(text, token)
+            with reduced_products(**(self.rmm.products() if self.rmm is not None else {})):
+                for token in tokens:
+                    first_at = first_at or time.perf_counter()
+                    delivered.append(token)
+                    if kv is not None:
+                        kv.step()
+                    text = asm.add(token)
+                    if text is None:
+                        break
+                    yield GenerationStep(text, token)
             clean = True
         except GeneratorExit:  # the consumer stopped: the token source rolls its cache back to `delivered`
             clean = True
@@ -412,6 +426,7 @@ class Engine:
             kv=kv_stats,
             kv_bits=self.kv_bits,
             kv_bytes_per_token=round(token_bytes, 3),
+            rmm=self.source.rmm,
         )
         if spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = spec.mode, spec.tau, spec.rounds
@@ -441,6 +456,9 @@ class Engine:
         if self._quant is not None:
             raise MlxInferError("batched decoding runs on float KV blocks; quantized KV (kv_bits) is for single "
                                 "requests for now: configure_kv(kv_bits=None) first")
+        if self.rmm is not None and self.rmm.products() != {"qk": 1.0, "pv": 1.0}:
+            raise MlxInferError("batched decoding does not reduce the attention products: load the model with "
+                                "rmm= without qk / pv for batched requests")
         if self._kv is not None:
             return self._kv
         if self._batch_pool is None:

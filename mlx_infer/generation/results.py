@@ -34,6 +34,7 @@ class GenerationStats:
         kv_bits: the quantized KV cache's setting ("8", "4", "k8v4", "kivi-4"; None: float KV).
         kv_bytes_per_token: KV bytes one token costs over all layers, K and V (scales included; 0 for the
             paged cache, whose `kv` record has its blocks).
+        rmm: the RMM retention the model runs with (`--rmm`, e.g. "attn=0.5,mlp=0.9"; None: exact).
     """
 
     prompt_tokens: int = 0
@@ -53,6 +54,7 @@ class GenerationStats:
     kv_bits: Optional[str] = None
     kv_bytes_per_token: float = 0.0
     kv: Optional[dict] = None
+    rmm: Optional[str] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

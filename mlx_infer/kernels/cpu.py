@@ -342,6 +342,20 @@ def cpu_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_
     return _module().qmm(x, w, scales, biases, group_size, bits, stream=mx.cpu)
 
 
+def cpu_rmm_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                keep: int) -> mx.array:
+    """RMM's reduced product on the CPU kernel (see kernels.rmm for the selection rule): each row of x
+    [M, K] keeps its `keep` groups of largest sum |x|; y [M, N] in promote_types(x.dtype, scales.dtype),
+    accumulated in float32. Selection runs inside the kernel, and only groups some row keeps are read
+    from w, scales and biases (operands as cpu_qmm's).
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: bad operands, or keep outside [1, K / group_size].
+    """
+    return _module().rmm_qmm(x, w, scales, biases, group_size, bits, keep, stream=mx.cpu)
+
+
 def cpu_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """The weight as float32 [N, K] (w [N, K * bits / 32] uint32, scales / biases [N, K / group_size]),
     dequantized on the CPU kernel's threads: the wide (prefill) path's one dequantization.

@@ -28,8 +28,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from mlx_infer.errors import MlxInferError
-from mlx_infer.kernels.gpu_qmm import (CUDA_METAL_PRELUDE, SIMD_WIDTH, cuda_available, kernel_source_path,
-                                       metal_available)
+from mlx_infer.kernels.gpu_qmm import (SIMD_WIDTH, cuda_available, kernel_source_path, make_cuda_kernel,
+                                       make_metal_kernel, metal_available)
 
 Packed = Tuple[mx.array, mx.array, mx.array]
 
@@ -193,30 +193,20 @@ def merge_partials(part_m: mx.array, part_l: mx.array, part_acc: mx.array, dtype
     return (acc / total[..., None]).astype(dtype)
 
 
-def _require_source(source: Optional[str], what: str) -> str:
-    if source is None:
-        raise RuntimeError(f"quant_attention: {what} is missing from this installation of mlx_infer; reinstall it "
-                           "with its kernel sources (metal_kernels/, cuda_kernels/).")
-    return source
-
-
 @lru_cache(maxsize=None)
 def metal_kernel():
     """The `mx.fast.metal_kernel` object of the attention (built once). Building it needs no Metal; calling
     it does, except inside `mx.export_function` tracing (which is how the tests get its golden source)."""
-    return mx.fast.metal_kernel(name=ATTN_KERNEL_NAME, input_names=list(ATTN_INPUT_NAMES),
-                                output_names=list(ATTN_OUTPUT_NAMES),
-                                source=_require_source(ATTN_METAL_BODY, "metal_kernels/quant_attention.metal"))
+    return make_metal_kernel(ATTN_KERNEL_NAME, ATTN_INPUT_NAMES, ATTN_OUTPUT_NAMES, ATTN_METAL_BODY,
+                             "metal_kernels/quant_attention.metal")
 
 
 @lru_cache(maxsize=None)
 def cuda_kernel():
     """The `mx.fast.cuda_kernel` object of the attention (built once): the Metal body with the CUDA prelude
     as its header. Raises RuntimeError on an MLX without its CUDA back-end."""
-    return mx.fast.cuda_kernel(name=ATTN_KERNEL_NAME, input_names=list(ATTN_INPUT_NAMES),
-                               output_names=list(ATTN_OUTPUT_NAMES),
-                               source=_require_source(ATTN_METAL_BODY, "metal_kernels/quant_attention.metal"),
-                               header=_require_source(CUDA_METAL_PRELUDE, "cuda_kernels/metal_prelude.cuh"))
+    return make_cuda_kernel(ATTN_KERNEL_NAME, ATTN_INPUT_NAMES, ATTN_OUTPUT_NAMES, ATTN_METAL_BODY,
+                            "metal_kernels/quant_attention.metal")
 
 
 def launch_kernel(kernel, q: mx.array, keys: Packed, values: Packed, launch: AttentionLaunch,

@@ -120,30 +120,42 @@ def qmm_launch(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gro
                      output_shape=(rows, n), output_dtype=x.dtype)
 
 
-def _require_source(source: Optional[str], what: str) -> str:
+def require_source(source: Optional[str], what: str, kernel: str) -> str:
+    """`source`, or RuntimeError (naming `kernel` and the file `what`) when the installation lacks it."""
     if source is None:
-        raise RuntimeError(f"qmm: {what} is missing from this installation of mlx_infer; reinstall it with its "
-                           "kernel sources (metal_kernels/, cuda_kernels/).")
+        raise RuntimeError(f"{kernel}: {what} is missing from this installation of mlx_infer; reinstall it with "
+                           "its kernel sources (metal_kernels/, cuda_kernels/).")
     return source
+
+
+def make_metal_kernel(name: str, input_names, output_names, body: Optional[str], body_file: str):
+    """An `mx.fast.metal_kernel` object of a Metal body (body_file: its path, for the error when missing).
+    Building it needs no Metal; calling it does, except inside `mx.export_function` tracing (which is how
+    the tests get its golden source)."""
+    return mx.fast.metal_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                                source=require_source(body, body_file, name))
+
+
+def make_cuda_kernel(name: str, input_names, output_names, body: Optional[str], body_file: str):
+    """An `mx.fast.cuda_kernel` object of the same Metal body, with the CUDA prelude as its header. Raises
+    RuntimeError on an MLX without its CUDA back-end."""
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                               source=require_source(body, body_file, name),
+                               header=require_source(CUDA_METAL_PRELUDE, "cuda_kernels/metal_prelude.cuh", name))
 
 
 @lru_cache(maxsize=None)
 def metal_kernel():
     """The `mx.fast.metal_kernel` object of qmm (built once). Building it needs no Metal; calling it
     does, except inside `mx.export_function` tracing (which is how the tests get its golden source)."""
-    return mx.fast.metal_kernel(name=QMM_KERNEL_NAME, input_names=list(QMM_INPUT_NAMES),
-                                output_names=list(QMM_OUTPUT_NAMES),
-                                source=_require_source(QMM_METAL_BODY, "metal_kernels/qmm.metal"))
+    return make_metal_kernel(QMM_KERNEL_NAME, QMM_INPUT_NAMES, QMM_OUTPUT_NAMES, QMM_METAL_BODY, "metal_kernels/qmm.metal")
 
 
 @lru_cache(maxsize=None)
 def cuda_kernel():
     """The `mx.fast.cuda_kernel` object of qmm (built once): the Metal body with the CUDA prelude as its
     header. Raises RuntimeError on an MLX without its CUDA back-end."""
-    return mx.fast.cuda_kernel(name=QMM_KERNEL_NAME, input_names=list(QMM_INPUT_NAMES),
-                               output_names=list(QMM_OUTPUT_NAMES),
-                               source=_require_source(QMM_METAL_BODY, "metal_kernels/qmm.metal"),
-                               header=_require_source(CUDA_METAL_PRELUDE, "cuda_kernels/metal_prelude.cuh"))
+    return make_cuda_kernel(QMM_KERNEL_NAME, QMM_INPUT_NAMES, QMM_OUTPUT_NAMES, QMM_METAL_BODY, "metal_kernels/qmm.metal")
 
 
 def metal_call(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,

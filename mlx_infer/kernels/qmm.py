@@ -21,7 +21,7 @@ from .gpu_qmm import QMM_MAX_ROWS, cuda_available, cuda_qmm, metal_available, me
 #: Weight rows dequantized at a time by the CPU wide path (8192 x K float32: 19 MB at K = 576).
 WIDE_TILE_ROWS = 8192
 
-__all__ = ["QMM_MAX_ROWS", "WIDE_TILE_ROWS", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
+__all__ = ["QMM_MAX_ROWS", "WIDE_TILE_ROWS", "gpu_operands", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
 
 
 def qmm_backend() -> str:
@@ -49,7 +49,7 @@ def result_dtype(x_dtype: mx.Dtype, scales_dtype: mx.Dtype) -> mx.Dtype:
     return x_dtype if x_dtype == scales_dtype else mx.float32
 
 
-def _gpu_operands(x: mx.array, scales: mx.array, biases: mx.array):
+def gpu_operands(x: mx.array, scales: mx.array, biases: mx.array):
     """scales / biases in x's dtype for the GPU kernels (which take them so), when that cast is exact
     (same dtype, or float16 / bfloat16 to float32); else None (the reference runs)."""
     if scales.dtype == x.dtype:
@@ -63,7 +63,7 @@ def _skinny(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_
             bits: int) -> mx.array:
     """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on the best kernel available."""
     if mx.default_device() == mx.gpu:
-        operands = _gpu_operands(x, scales, biases)
+        operands = gpu_operands(x, scales, biases)
         if operands is not None and metal_available():
             return metal_qmm(x, w, *operands, group_size, bits)
         if operands is not None and cuda_available():

@@ -32,6 +32,7 @@ class ModelSource:
         kernels: the backend of mlx-infer's quantized matmul kernel the quantized layers run on
             (kernels.qmm.qmm_backend(), e.g. "cpu-avx512"), or None: MLX's own quantized matmul, or no
             quantized layers.
+        rmm: the RMM retention the model's linear layers were reduced with (`--rmm`), None: exact.
     """
 
     name: str
@@ -40,6 +41,7 @@ class ModelSource:
     mlx_dir: Path
     weights: str = "native"
     kernels: Optional[str] = None
+    rmm: Optional[str] = None
 
 
 def resolve(model: Optional[str], progress: Optional[Callable] = None) -> ModelSource:

@@ -7,7 +7,7 @@ import mlx.nn as nn
 
 from ..errors import MlxInferError
 
-MODES = ("off", "auto", "lookup", "draft", "layerskip", "dflash", "dspark")
+MODES = ("off", "auto", "lookup", "draft", "layerskip", "rmm", "dflash", "dspark")
 
 #: The modes that draft with a model given as draft_model (the others draft from the context or the target).
 MODEL_MODES = ("auto", "draft", "dflash", "dspark")
@@ -47,7 +47,7 @@ class SpecOptions:
 
     Raises:
         MlxInferError: an unknown mode, a bad max_draft, or a draft model given to a mode that uses none
-            ("off", "lookup", "layerskip").
+            ("off", "lookup", "layerskip", "rmm").
     """
 
     mode: str = "off"

@@ -22,6 +22,7 @@ from .drafters.block import BlockDrafter
 from .drafters.draft_model import DraftModelDrafter, check_same_vocab
 from .drafters.hybrid import LookupThenBlock
 from .drafters.layerskip import LayerSkipDrafter, cached_skip_set
+from .drafters.rmm import RmmDrafter
 from .drafters.lookup import LookupDrafter
 from .loop import SpecStats, check_rollback, speculative_tokens
 from .modes import DraftModel, SpecOptions
@@ -172,6 +173,8 @@ class SpecState:
             return LookupDrafter()
         if mode == "layerskip":
             return LayerSkipDrafter(self.target.model, self.skip_set(say))
+        if mode == "rmm":
+            return RmmDrafter(self.target.model)
         if mode in BLOCK_MODES:
             return self._block(mode, source, say)
         return self._draft(source)

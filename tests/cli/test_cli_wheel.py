@@ -58,8 +58,8 @@ def test_wheel_contents_and_entry_point(tmp_path):
         for part in ("config.json", "model.safetensors"):
             assert f"mlx_infer/models/{drafter.name}/{part}" in names, (drafter.name, part)
     # The kernel sources: the CPU extension is built from them on first use, the GPU bodies read at import.
-    for source in ("cpu_kernels/CMakeLists.txt", "cpu_kernels/qmm.cpp", "metal_kernels/qmm.metal",
-                   "cuda_kernels/metal_prelude.cuh"):
+    for source in ("cpu_kernels/CMakeLists.txt", "cpu_kernels/qmm.cpp", "cpu_kernels/rmm.cpp", "cpu_kernels/rmm.h",
+                   "metal_kernels/qmm.metal", "metal_kernels/rmm_qmm.metal", "cuda_kernels/metal_prelude.cuh"):
         assert f"mlx_infer/{source}" in names, source
     assert "[console_scripts]" in entry_points
     assert "mlx-infer = mlx_infer.cli.app:main" in entry_points

@@ -180,7 +180,8 @@ static void* guarded(size_t nbytes) {
   return base + pages * page - nbytes;
 }
 
-// usage: emu NAME GX GY GZ TX TY TZ WORKERS (i|o):PATH:NBYTES ...
+// usage: emu NAME GX GY GZ TX TY TZ WORKERS (i|o):PATH:NBYTES ... [l:BUFFER:OFFSET:NBYTES ...]
+// (an `l` spec makes bytes [OFFSET, OFFSET + NBYTES) of buffer BUFFER, page-aligned, unreadable: a read faults)
 int main(int argc, char** argv) {
   if (argc < 9) { std::fprintf(stderr, "usage: emu NAME GX GY GZ TX TY TZ WORKERS BUFFERS...\n"); return 2; }
   const std::string name = argv[1];
@@ -190,8 +191,10 @@ int main(int argc, char** argv) {
   std::vector<void*> bufs;
   std::vector<std::pair<std::string, size_t>> outs;
   std::vector<void*> out_ptrs;
+  std::vector<std::string> locks;
   for (int i = 9; i < argc; ++i) {
     const std::string spec = argv[i];
+    if (spec[0] == 'l') { locks.push_back(spec); continue; }
     const size_t a = spec.find(':'), b = spec.rfind(':');
     const std::string path = spec.substr(a + 1, b - a - 1);
     const size_t nbytes = std::stoul(spec.substr(b + 1));
@@ -206,6 +209,15 @@ int main(int argc, char** argv) {
       out_ptrs.push_back(p);
     }
     bufs.push_back(p);
+  }
+  for (const std::string& spec : locks) {
+    const size_t a = spec.find(':'), b = spec.find(':', a + 1), c = spec.rfind(':');
+    const size_t buffer = std::stoul(spec.substr(a + 1, b - a - 1));
+    const size_t offset = std::stoul(spec.substr(b + 1, c - b - 1)), nbytes = std::stoul(spec.substr(c + 1));
+    if (buffer >= bufs.size() || mprotect(static_cast<char*>(bufs[buffer]) + offset, nbytes, PROT_NONE) != 0) {
+      std::fprintf(stderr, "cannot lock %s\n", spec.c_str());
+      return 2;
+    }
   }
   for (int i = 0; i < kInstances; ++i) {
     if (name == kNames[i]) {
@@ -275,13 +287,24 @@ def _ensure(path: Path) -> Path:
     return path
 
 
+#: The emulator's page size: the granularity of run_emulated's `locked` byte ranges.
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
 def run_emulated(exe: Path, kernel: GoldenKernel, inputs: Dict[str, np.ndarray],
                  outputs: Dict[str, Tuple[Tuple[int, ...], np.dtype]], grid: Sequence[int],
-                 threadgroup: Sequence[int], workers: int = 2) -> Dict[str, np.ndarray]:
+                 threadgroup: Sequence[int], workers: int = 2,
+                 locked: Optional[Dict[str, Sequence[Tuple[int, int]]]] = None) -> Dict[str, np.ndarray]:
     """Run one emulated kernel: inputs by name (raw bytes, in the buffer order of the signature), outputs
-    by name (shape, numpy dtype; bfloat16 as uint16). Raises AssertionError with the emulator's message."""
+    by name (shape, numpy dtype; bfloat16 as uint16). `locked` names, per input, byte ranges (offset, nbytes)
+    the kernel must never touch: they are made unreadable (PROT_NONE), so any access faults (reported like an
+    access past the end of a buffer); the input's size and the ranges must be multiples of PAGE_SIZE. Raises
+    AssertionError with the emulator's message."""
+    locked = locked or {}
     with tempfile.TemporaryDirectory() as tmp:
         specs = []
+        locks = []
+        buffer = 0
         for p in kernel.params:
             if not p.is_buffer:
                 continue
@@ -290,17 +313,28 @@ def run_emulated(exe: Path, kernel: GoldenKernel, inputs: Dict[str, np.ndarray],
                 path = os.path.join(tmp, p.name + ".in")
                 data.tofile(path)
                 specs.append(f"i:{path}:{data.nbytes}")
+                for offset, nbytes in locked.get(p.name, ()):
+                    if data.nbytes % PAGE_SIZE or offset % PAGE_SIZE or nbytes % PAGE_SIZE or \
+                            not 0 <= offset < offset + nbytes <= data.nbytes:
+                        raise AssertionError(f"locked range ({offset}, {nbytes}) of {p.name} ({data.nbytes} bytes) "
+                                             f"is not made of whole pages of {PAGE_SIZE} bytes inside it")
+                    locks.append(f"l:{buffer}:{offset}:{nbytes}")
             elif p.name in outputs:
                 shape, dtype = outputs[p.name]
                 nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
                 specs.append(f"o:{os.path.join(tmp, p.name + '.out')}:{nbytes}")
             else:
                 raise AssertionError(f"no data for buffer {p.name} of {kernel.name}")
-        cmd = [str(exe), kernel.name, *map(str, grid), *map(str, threadgroup), str(workers), *specs]
+            buffer += 1
+        unknown = set(locked) - set(inputs)
+        if unknown:
+            raise AssertionError(f"locked ranges for {sorted(unknown)}, which are not inputs of {kernel.name}")
+        cmd = [str(exe), kernel.name, *map(str, grid), *map(str, threadgroup), str(workers), *specs, *locks]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode < 0:
             raise AssertionError(f"emulated {kernel.name} killed by signal {-proc.returncode} (an access past the "
-                                 f"end of a buffer faults on its guard page) {proc.stderr.strip()}")
+                                 f"end of a buffer faults on its guard page, an access to a locked range too) "
+                                 f"{proc.stderr.strip()}")
         if proc.returncode != 0:
             raise AssertionError(f"emulated {kernel.name} failed (rc {proc.returncode}): {proc.stderr.strip()}")
         return {name: np.fromfile(os.path.join(tmp, name + ".out"), dtype=dtype).reshape(shape)
@@ -622,3 +656,79 @@ def attention_error_ratio(out: np.ndarray, case: AttnCase) -> float:
 def assert_attention_close(out: np.ndarray, case: AttnCase, label: str) -> None:
     ratio = attention_error_ratio(out, case)
     assert ratio <= 1.0, f"{label}: worst error {ratio:.3g}x the allowed bound"
+
+
+# --- RMM's reduced quantized matmul (test_metal_rmm.py, test_cuda_rmm.py) --------------------------------
+
+#: One RMM check: (rows, K, N, group size, bits, dtype name of ATTN_DTYPES, keep).
+RmmConfig = Tuple[int, int, int, int, int, str, int]
+
+
+@dataclass(frozen=True)
+class RmmCase:
+    """Operands of one rmm_qmm check: the qmm operands (x [M, K], w, scales, biases), keep, and the selection
+    the oracle makes (kept [M, G] bool, from mlx_infer.kernels.rmm.group_mask)."""
+
+    qmm: QmmCase
+    keep: int
+    kept: np.ndarray
+
+    @property
+    def used(self) -> np.ndarray:
+        """[G] bool: groups some row keeps."""
+        return self.kept.any(axis=0)
+
+    def masked(self) -> QmmCase:
+        """The qmm case whose product is the reduced one: x with each row's dropped groups zeroed."""
+        q = self.qmm
+        cols = mx.array(np.repeat(self.kept, q.group_size, axis=1))
+        return QmmCase(mx.where(cols, q.x, mx.zeros_like(q.x)), q.w, q.scales, q.biases, q.group_size, q.bits)
+
+
+def rmm_activations(rng: np.random.Generator, rows: int, k: int, group_size: int, kinds: Sequence[str],
+                    small_groups: Sequence[int] = ()) -> np.ndarray:
+    """x [rows, K] float32 of multiples of 1/16 below 16 in magnitude (exact in float16 and bfloat16; every sum
+    of |x| over a group exact in float32, in any order, so a kernel's scores equal the oracle's bit for bit).
+    Row m is kinds[m % len(kinds)]:
+      "levels": each group a signed permutation of one base vector times a level in {1, 2, 3}: many groups share
+                their score exactly;
+      "flat":   every group a signed permutation of one base vector: all scores equal (index order decides);
+      "random": independent values (scores mostly distinct).
+    Groups in small_groups get magnitude 1/16 everywhere: below every other group's score in every row."""
+    groups = k // group_size
+    x = np.empty((rows, groups, group_size), np.float32)
+    for m in range(rows):
+        kind = kinds[m % len(kinds)]
+        if kind == "random":
+            x[m] = np.clip(np.rint(rng.standard_normal((groups, group_size)) * 16), -255, 255) / 16
+            x[m][x[m] == 0] = 2 / 16
+            continue
+        if kind not in ("levels", "flat"):
+            raise ValueError(f"unknown row kind {kind!r}")
+        base = rng.integers(2, 86, size=group_size) / 16
+        levels = rng.integers(1, 4, size=groups) if kind == "levels" else np.ones(groups, np.int64)
+        for g in range(groups):
+            x[m, g] = rng.permutation(base) * levels[g] * rng.choice([-1.0, 1.0], size=group_size)
+    for g in small_groups:
+        x[:, g] = rng.choice([-1.0, 1.0], size=(rows, group_size)) / 16
+    return x.reshape(rows, k)
+
+
+def rmm_case(c: RmmConfig, kinds: Sequence[str] = ("levels", "flat", "random"),
+             small_groups: Sequence[int] = ()) -> RmmCase:
+    """Operands of one RMM check: w, scales, biases as random_case makes them, x from rmm_activations, and the
+    oracle's selection (group_mask of x)."""
+    from mlx_infer.kernels.rmm import group_mask
+
+    rows, k, n, gs, bits, dtype, keep = c
+    seed = 7919 * rows + k + n + gs + bits + 31 * keep
+    base = random_case(rows, k, n, gs, bits, ATTN_DTYPES[dtype], seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    x = mx.array(rmm_activations(rng, rows, k, gs, kinds, small_groups)).astype(ATTN_DTYPES[dtype])
+    kept = np.array(group_mask(x, gs, keep))
+    return RmmCase(QmmCase(x, base.w, base.scales, base.biases, gs, bits), keep, kept)
+
+
+def rmm_case_id(c: RmmConfig) -> str:
+    rows, k, n, gs, bits, dtype, keep = c
+    return f"{dtype}-b{bits}-g{gs}-m{rows}-{k}x{n}-keep{keep}"

@@ -13,6 +13,7 @@ import pytest
 import gpu_helpers as h
 from gpu_helpers import AttnConfig
 from mlx_infer.kernels import gpu_attention as ga
+from mlx_infer.kernels import gpu_qmm
 
 needs_nvcc = pytest.mark.skipif(h.nvcc() is None, reason="nvcc is not installed")
 
@@ -24,13 +25,13 @@ def _source(config: AttnConfig) -> str:
     dtypes = (case.q.dtype, mx.uint32, sdtype, sdtype, mx.uint32, sdtype, sdtype, mx.int32, mx.float32)
     inputs = list(zip(ga.ATTN_INPUT_NAMES, dtypes))
     outputs = [(name, mx.float32) for name in ga.ATTN_OUTPUT_NAMES]
-    return h.mlx_cuda_source(ga.ATTN_KERNEL_NAME, ga.CUDA_METAL_PRELUDE, ga.ATTN_METAL_BODY, inputs, outputs,
+    return h.mlx_cuda_source(ga.ATTN_KERNEL_NAME, gpu_qmm.CUDA_METAL_PRELUDE, ga.ATTN_METAL_BODY, inputs, outputs,
                              launch.template)
 
 
 def test_cuda_source_has_the_metal_body_verbatim():
     src = _source(AttnConfig(2, 3, 4, 128, 128, 8, 4, 64, "bf16", "f16", 50, 64))
-    assert ga.ATTN_METAL_BODY in src and ga.CUDA_METAL_PRELUDE in src
+    assert ga.ATTN_METAL_BODY in src and gpu_qmm.CUDA_METAL_PRELUDE in src
     assert ("__global__ void custom_kernel_mlx_infer_quant_attention_bfloat16_t_float16_t_12_4_128_128_64_8_4_4(\n"
             "    const __nv_bfloat16* q,\n    const uint32_t* k,\n    const __half* k_scales,\n") in src
     assert "    const int32_t* lengths,\n    const float* softmax_scale,\n    float* part_m," in src

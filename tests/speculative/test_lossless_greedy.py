@@ -8,6 +8,7 @@ from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, SpecStats, speculative_tokens
 from mlx_infer.speculative.drafters.layerskip import LayerSkipDrafter
+from mlx_infer.speculative.drafters.rmm import RmmDrafter
 from mlx_infer.speculative.cost import CostCurve
 from mlx_infer.speculative.schedule import DraftScheduler
 
@@ -46,12 +47,13 @@ def baselines(target):
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 8])
-@pytest.mark.parametrize("mode", ["lookup", "draft-weak", "draft-perfect", "layerskip"])
+@pytest.mark.parametrize("mode", ["lookup", "draft-weak", "draft-perfect", "layerskip", "rmm"])
 def test_greedy_identical(target, weak_drafter_model, baselines, mode, gamma):
     for prompt, base in zip(PROMPTS, baselines):
         drafter = {"lookup": lambda: LookupDrafter(), "draft-weak": lambda: DraftModelDrafter(weak_drafter_model),
                    "draft-perfect": lambda: DraftModelDrafter(target),
-                   "layerskip": lambda: LayerSkipDrafter(target, skip=[1])}[mode]()
+                   "layerskip": lambda: LayerSkipDrafter(target, skip=[1]),
+                   "rmm": lambda: RmmDrafter(target)}[mode]()
         stats = SpecStats()
         out = list(speculative_tokens(target, prompt, SamplingParams(), MAX_TOKENS, drafter, gamma, stats))
         assert out == base, (mode, gamma, prompt)
