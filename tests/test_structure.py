@@ -2,6 +2,7 @@
 floors never import the higher ones), in the library and the CLI."""
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,3 +83,13 @@ def test_no_import_cycles():
             visit(m, [m])
     assert cycles == []
     assert "mlx_infer.engine" not in set().union(*(graph[m] for m in graph if m.startswith("mlx_infer.speculative")))
+
+
+def test_every_package_is_installed():
+    """Each folder of the library with an __init__.py is listed in pyproject.toml's packages (a missing one
+    works from the source tree and fails once installed)."""
+    text = (REPO / "pyproject.toml").read_text()
+    block = re.search(r"^packages = \[(.*?)\]", text, re.S | re.M).group(1)
+    listed = set(re.findall(r'"([^"]+)"', block))
+    found = {module_name(p) for p in sources() if is_package(p)}
+    assert found - listed == set()
