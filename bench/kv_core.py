@@ -5,9 +5,16 @@
     python bench/kv_core.py --overhead    # decode step: mlx-lm KVCache vs paged (views) vs paged (gather)
     python bench/kv_core.py --observe     # attention statistics: cost per decode step
     python bench/kv_core.py --retained    # Naive-Evict vs vToken repacking, H2O / Scissorhands at 0.5
+    python bench/kv_core.py --batched     # batched decode: gather + masked SDPA vs the paged-attention kernel
 
---overhead and --observe interleave the systems (A B C, A B C, ...) and report medians; the machine may be
-shared, so only the ratios of one run mean much. --retained feeds a wikitext window through the model teacher-forced,
+--overhead, --observe and --batched interleave the systems (A B C, A B C, ...) and report medians; the machine
+may be shared, so only the ratios of one run mean much. --batched: for each context (`--contexts`, wikitext
+tokens per request) and batch (`--batches`), B requests prefilled alone, then `--tokens` decode steps per
+system and repeat (`--repeats`), the systems taking turns step by step on the same caches (the context grows
+by one token per step for both): BatchStep(fused=False) (one `mx.take` per layer and K/V + mlx-lm's masked
+attention), BatchStep(fused=True) (the kernel reads the pool in place), and at B = 1 the lone request's own
+PagedKVCache (what the scheduler runs for one request: a view of contiguous slots + mlx-lm's attention).
+Decode tokens/s = B / median step time (forward, greedy argmax, eval). --retained feeds a wikitext window through the model teacher-forced,
 `--chunk` tokens per forward, evicting after each forward; Naive-Evict is a shadow token table that gets the
 same appends and the same evictions (the pairing is exact) and never repacks.
 """
@@ -28,7 +35,10 @@ from mlx_lm.models.cache import make_prompt_cache
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, machine  # noqa: E402
 
+from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
 from mlx_infer.kv import BlockPool, PagedSequence, TokenTable, make_paged_cache, make_pool  # noqa: E402
+from mlx_infer.kv.attention_hook import install as install_attention_hook  # noqa: E402
+from mlx_infer.kv.batch import BatchStep  # noqa: E402
 from mlx_infer.kv.cache import PagedKVCache  # noqa: E402
 from mlx_infer.kv.evict import EvictionController  # noqa: E402
 from mlx_infer.kv.observe import AttentionObserver, QueryTap  # noqa: E402
@@ -166,6 +176,58 @@ def bench_observe(args, engine):
             "overhead_pct": round(100 * (med["observed"] / med["plain"] - 1), 2)}
 
 
+def decode_step(model, caches, tokens, system):
+    """One decode forward of `tokens` (B lists of one id) over the requests' caches: a BatchStep gathering
+    ("gather") or fused ("kernel"), or the only request's own PagedKVCache ("lone"). Returns (last-column
+    logits [B, V], the BatchStep or None)."""
+    if system == "lone":
+        return model(mx.array(tokens), cache=caches[0])[:, -1], None
+    step = BatchStep([c[0].sequence for c in caches], [1] * len(caches), fused=system == "kernel")
+    return model(step.inputs(tokens), cache=step.caches())[:, -1], step
+
+
+def bench_batched(args, engine):
+    """Batched decode steps, gather vs kernel (and the lone PagedKVCache at B = 1); see the module docstring."""
+    model = engine.model
+    install_attention_hook(model)
+    rows = []
+    for context in (int(x) for x in args.contexts.split(",")):
+        for B in (int(x) for x in args.batches.split(",")):
+            pool = make_pool(model)
+            caches = []
+            for b in range(B):  # distinct wikitext windows, one per request
+                cache = make_paged_cache(model, pool)
+                mx.eval(model(mx.array(wikitext_ids(engine.tokenizer, context, skip_chars=9000 * b))[None],
+                              cache=cache))
+                caches.append(cache)
+            tokens = [[0] for _ in caches]
+            times = {k: [] for k in ["gather", "kernel"] + (["lone"] if B == 1 else [])}
+            for i in range(args.tokens * args.repeats + 2):
+                for name, ts in times.items():
+                    t0 = time.perf_counter()
+                    logits, step = decode_step(model, caches, tokens, name)
+                    sampled = mx.argmax(logits, axis=-1)  # [B]
+                    mx.eval(sampled)
+                    if step is not None:
+                        step.done()
+                    if i >= 2:  # the first two rounds warm up
+                        ts.append(time.perf_counter() - t0)
+                    tokens = [[t] for t in sampled.tolist()]
+            med = {k: statistics.median(v) for k, v in times.items()}
+            row = {"context": context, "batch": B, "steps_each": len(times["gather"]),
+                   "step_ms_median": {k: round(v * 1e3, 2) for k, v in med.items()},
+                   "decode_tps": {k: round(B / v, 1) for k, v in med.items()},
+                   "kernel_speedup": round(med["gather"] / med["kernel"], 3)}
+            if B == 1:
+                row["kernel_vs_lone"] = round(med["lone"] / med["kernel"], 3)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            for c in caches:
+                c[0].sequence.release()
+    return {"backend": paged_attention_backend(), "kernels": engine.source.kernels, "weights": engine.source.weights,
+            "tokens": args.tokens, "repeats": args.repeats, "rows": rows}
+
+
 def bench_retained(args, engine):
     model = engine.model
     ids = wikitext_ids(engine.tokenizer, args.window, skip_chars=args.skip)
@@ -217,10 +279,12 @@ def bench_retained(args, engine):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag in ("--write", "--memory", "--overhead", "--observe", "--retained"):
+    for flag in ("--write", "--memory", "--overhead", "--observe", "--retained", "--batched"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens (--overhead, --observe)")
-    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per run (--overhead, --observe)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per run (--overhead, --observe, --batched)")
+    ap.add_argument("--contexts", default="100,1500", help="wikitext tokens per request (--batched)")
+    ap.add_argument("--batches", default="1,4,8", help="requests decoding together (--batched)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--window", type=int, default=2048, help="wikitext tokens (--retained)")
     ap.add_argument("--skip", type=int, default=0, help="characters of wikitext skipped (--retained)")
@@ -228,16 +292,21 @@ def main():
     ap.add_argument("--chunk", type=int, default=8, help="teacher-forced tokens per forward (--retained)")
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--policies", default="h2o,scissorhands")
-    ap.add_argument("--weights", default="float32")
+    ap.add_argument("--weights", default=None,
+                    help="float32 (default), native, ...; --batched alone: mlx_infer.load()'s default")
     args = ap.parse_args()
     result = {"machine": machine(), "command": " ".join(sys.argv)}
     if args.write:
         result["write"] = bench_write(args)
     if args.memory:
         result["memory"] = bench_memory(args)
-    if args.overhead or args.observe or args.retained:
-        engine = mlx_infer.load(weights=args.weights)
-        result["weights"] = args.weights
+    if args.overhead or args.observe or args.retained or args.batched:
+        only_batched = args.batched and not (args.overhead or args.observe or args.retained)
+        weights = args.weights or (None if only_batched else "float32")
+        engine = mlx_infer.load() if weights is None else mlx_infer.load(weights=weights)
+        result["weights"] = engine.source.weights
+        if args.batched:
+            result["batched"] = bench_batched(args, engine)
         if args.overhead:
             result["overhead"] = bench_overhead(args, engine)
         if args.observe:

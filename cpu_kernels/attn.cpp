@@ -18,6 +18,58 @@ constexpr int kMinSplitTokens = 256;
 // Splits per thread over all heads (later ones balance a core that was busy).
 constexpr int kSplitsPerThread = 4;
 
+// Flash-decoding (arXiv 2307.08691) over H heads of R query rows: head h's keys [0, length(h)) are split
+// into ranges of whole tiles, spread with the other heads' over the pool's threads, attend(h, s0, s1,
+// partial, scratch) computes each range's partial, and the partials of a row are merged into
+// store(h, r, o, lse): o its Dv normalized outputs (zeros for a row that saw no key), lse the log of its
+// softmax denominator (-inf then). max_length bounds every length(h); scratch_floats per thread.
+template <class Length, class Attend, class Store>
+void flash_decode(int H, int R, int Dv, int max_length, size_t scratch_floats, Length length, Attend attend,
+                  Store store) {
+  ThreadPool& pool = ThreadPool::instance();
+  const int most = std::max(1, (max_length + kMinSplitTokens - 1) / kMinSplitTokens);
+  const int wanted = (kSplitsPerThread * pool.size() + H - 1) / H;
+  const int splits = std::max(1, std::min(most, wanted));
+  // Splits start on a tile, so that a tile of channel keys lies in one quantization group.
+  const int per = std::max(kAttnTile, ((max_length + splits - 1) / splits + kAttnTile - 1) / kAttnTile * kAttnTile);
+  const int64_t row_floats = 2 + Dv;  // m, l, acc[Dv] of one row of one split
+  std::vector<float> partials(size_t(H) * splits * R * row_floats);
+  pool.parallel_for(H * splits, [&](int c) {
+    const int h = c / splits, sp = c % splits;
+    const int s0 = sp * per, s1 = std::min(length(h), s0 + per);
+    float* base = partials.data() + int64_t(c) * R * row_floats;
+    AttnPartial p{base, base + R, base + 2 * R};
+    if (s0 >= s1) {  // an empty split (a short head, or S < splits * per rounding so): contributes nothing
+      std::fill(p.m, p.m + R, -std::numeric_limits<float>::infinity());
+      std::fill(p.l, p.l + R, 0.0f);
+      return;
+    }
+    attend(h, s0, s1, p, thread_scratch(scratch_floats));
+  });
+  std::vector<float> o(Dv);
+  for (int h = 0; h < H; ++h) {
+    for (int r = 0; r < R; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int sp = 0; sp < splits; ++sp) {
+        m = std::max(m, partials[(int64_t(h) * splits + sp) * R * row_floats + r]);
+      }
+      std::fill(o.begin(), o.end(), 0.0f);
+      float l = 0.0f;
+      for (int sp = 0; sp < splits; ++sp) {
+        const float* base = partials.data() + (int64_t(h) * splits + sp) * R * row_floats;
+        if (base[R + r] == 0.0f) continue;
+        const float w = std::exp(base[r] - m);
+        l += w * base[R + r];
+        const float* acc = base + 2 * R + int64_t(r) * Dv;
+        for (int d = 0; d < Dv; ++d) o[d] += w * acc[d];
+      }
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int d = 0; d < Dv; ++d) o[d] *= inv;
+      store(h, r, o.data(), l > 0.0f ? m + std::log(l) : -std::numeric_limits<float>::infinity());
+    }
+  }
+}
+
 // Checks one packed cache (w, scales, biases) [H, C, dim * bits / 32] / [H, C, dim / group_size];
 // returns dim.
 int check_cache(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
@@ -146,49 +198,13 @@ void QuantAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.v_dtype = to_kernel_dtype(inputs[5].dtype(), "v_scales");
   a.scale = scale_;
   encoder.dispatch([a, y = out.data<float>(), lse_out = lse.data<float>()]() {
-    ThreadPool& pool = ThreadPool::instance();
-    const int most = (a.S + kMinSplitTokens - 1) / kMinSplitTokens;
-    const int wanted = (kSplitsPerThread * pool.size() + a.H - 1) / a.H;
-    const int splits = std::max(1, std::min(most, wanted));
-    // Splits start on a tile, so that a tile of channel keys lies in one quantization group.
-    const int per = ((a.S + splits - 1) / splits + kAttnTile - 1) / kAttnTile * kAttnTile;
-    const int64_t row_floats = 2 + a.Dv;  // m, l, acc[Dv] of one row of one split
-    std::vector<float> partials(size_t(a.H) * splits * a.R * row_floats);
-    const size_t scratch = size_t(kAttnTile) * (a.D + a.Dv + a.R);
-    pool.parallel_for(a.H * splits, [&](int c) {
-      const int h = c / splits, sp = c % splits;
-      const int s0 = sp * per, s1 = std::min(a.S, s0 + per);
-      float* base = partials.data() + int64_t(c) * a.R * row_floats;
-      AttnPartial p{base, base + a.R, base + 2 * a.R};
-      if (s0 >= s1) {  // an empty split (only when S < splits * per rounds so): contributes nothing
-        std::fill(p.m, p.m + a.R, -std::numeric_limits<float>::infinity());
-        std::fill(p.l, p.l + a.R, 0.0f);
-        return;
-      }
-      kernel().attend(a, h, s0, s1, p, thread_scratch(scratch));
-    });
-    for (int h = 0; h < a.H; ++h) {
-      for (int r = 0; r < a.R; ++r) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int sp = 0; sp < splits; ++sp) {
-          m = std::max(m, partials[(int64_t(h) * splits + sp) * a.R * row_floats + r]);
-        }
-        float* o = y + (int64_t(h) * a.R + r) * a.Dv;
-        std::fill(o, o + a.Dv, 0.0f);
-        float l = 0.0f;
-        for (int sp = 0; sp < splits; ++sp) {
-          const float* base = partials.data() + (int64_t(h) * splits + sp) * a.R * row_floats;
-          if (base[a.R + r] == 0.0f) continue;
-          const float w = std::exp(base[r] - m);
-          l += w * base[a.R + r];
-          const float* acc = base + 2 * a.R + int64_t(r) * a.Dv;
-          for (int d = 0; d < a.Dv; ++d) o[d] += w * acc[d];
-        }
-        const float inv = 1.0f / l;
-        for (int d = 0; d < a.Dv; ++d) o[d] *= inv;
-        lse_out[int64_t(h) * a.R + r] = m + std::log(l);
-      }
-    }
+    flash_decode(
+        a.H, a.R, a.Dv, a.S, size_t(kAttnTile) * (a.D + a.Dv + a.R), [&](int) { return a.S; },
+        [&](int h, int s0, int s1, AttnPartial p, float* scratch) { kernel().attend(a, h, s0, s1, p, scratch); },
+        [&](int h, int r, const float* o, float lse) {
+          std::copy(o, o + a.Dv, y + (int64_t(h) * a.R + r) * a.Dv);
+          lse_out[int64_t(h) * a.R + r] = lse;
+        });
   });
 }
 
@@ -206,6 +222,133 @@ bool QuantAttention::is_equivalent(const mx::Primitive& other) const {
 std::vector<mx::Shape> QuantAttention::output_shapes(const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), inputs[0].shape(1), inputs[4].shape(2) * 32 / v_bits_},
           {inputs[0].shape(0), inputs[0].shape(1)}};
+}
+
+namespace {
+
+// Throws std::invalid_argument naming `what` unless `a` is an int32 array of shape `shape`.
+void check_int32(const mx::array& a, const mx::Shape& shape, const char* what) {
+  if (a.dtype() != mx::int32 || a.shape() != shape) {
+    throw std::invalid_argument(std::string("[paged_attention] ") + what + " must be int32 " +
+                                shape_str(mx::zeros(shape, mx::float32)) + ", got " + shape_str(a) +
+                                (a.dtype() == mx::int32 ? "" : " (not int32)"));
+  }
+}
+
+// Stores o [n] floats as dtype dt at y.
+void store_row(const float* o, int n, Dtype dt, void* y) {
+  if (dt == Dtype::f32) {
+    std::copy(o, o + n, static_cast<float*>(y));
+  } else if (dt == Dtype::f16) {
+    auto* out = static_cast<mx::float16_t*>(y);
+    for (int d = 0; d < n; ++d) out[d] = static_cast<mx::float16_t>(o[d]);
+  } else {
+    auto* out = static_cast<mx::bfloat16_t*>(y);
+    for (int d = 0; d < n; ++d) out[d] = static_cast<mx::bfloat16_t>(o[d]);
+  }
+}
+
+}  // namespace
+
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mx::array& index,
+    const mx::array& lengths,
+    const mx::array& q_pos,
+    const mx::array& k_pos,
+    float scale,
+    int window,
+    mx::StreamOrDevice s) {
+  if (q.ndim() != 4 || q.shape(2) < 1) {
+    throw std::invalid_argument("[paged_attention] q must be [B, n_q, L, D] with L >= 1, got " + shape_str(q));
+  }
+  to_kernel_dtype(q.dtype(), "q");
+  if (k_pool.ndim() != 2 || v_pool.ndim() != 2 || k_pool.shape(0) != v_pool.shape(0) ||
+      k_pool.dtype() != v_pool.dtype()) {
+    throw std::invalid_argument("[paged_attention] k_pool and v_pool must be [rows, D] and [rows, Dv] of one dtype, got " +
+                                shape_str(k_pool) + " and " + shape_str(v_pool));
+  }
+  to_kernel_dtype(k_pool.dtype(), "k_pool");
+  const int B = q.shape(0), n_q = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Dv = v_pool.shape(1);
+  if (k_pool.shape(1) != D || D % 16 != 0 || Dv % 16 != 0 || Dv < 16) {
+    throw std::invalid_argument("[paged_attention] head dims must agree (q " + shape_str(q) + ", k_pool " +
+                                shape_str(k_pool) + ") and be multiples of 16 (D " + std::to_string(D) + ", Dv " +
+                                std::to_string(Dv) + ")");
+  }
+  if (index.ndim() != 3 || index.shape(0) != B || index.shape(1) < 1 || n_q % index.shape(1) != 0) {
+    throw std::invalid_argument("[paged_attention] index must be int32 [B=" + std::to_string(B) +
+                                ", n_kv, S] with n_q (" + std::to_string(n_q) + ") a multiple of n_kv, got " +
+                                shape_str(index));
+  }
+  const int S = index.shape(2);
+  check_int32(index, index.shape(), "index");
+  check_int32(lengths, {B}, "lengths");
+  check_int32(q_pos, {B, L}, "q_pos");
+  check_int32(k_pos, {B, S}, "k_pos");
+  if (window < 0) {
+    throw std::invalid_argument("[paged_attention] window must be >= 0 (0: none), got " + std::to_string(window));
+  }
+  mx::Stream stream = cpu_stream(s);
+  mx::array qf = row_contiguous(mx::astype(q, mx::float32, stream), stream);
+  return mx::array(
+      {B, n_q, L, Dv}, q.dtype(), std::make_shared<PagedAttention>(stream, scale, window),
+      {qf, row_contiguous(k_pool, stream), row_contiguous(v_pool, stream), row_contiguous(index, stream),
+       row_contiguous(lengths, stream), row_contiguous(q_pos, stream), row_contiguous(k_pos, stream)});
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const char* names[] = {"q", "k_pool", "v_pool", "index", "lengths", "q_pos", "k_pos"};
+  for (size_t i = 0; i < inputs.size(); ++i) require_row_contiguous(inputs[i], names[i]);
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const mx::array& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const mx::array& index = inputs[3];
+  PagedAttnArgs a{};
+  a.q = inputs[0].data<float>();
+  a.k = inputs[1].data<void>();
+  a.v = inputs[2].data<void>();
+  a.index = index.data<int32_t>();
+  a.q_pos = inputs[5].data<int32_t>();
+  a.k_pos = inputs[6].data<int32_t>();
+  a.rows = inputs[1].shape(0);
+  a.n_kv = index.shape(1);
+  a.L = inputs[0].shape(2);
+  a.R = inputs[0].shape(1) / a.n_kv * a.L;
+  a.S = index.shape(2);
+  a.D = inputs[0].shape(3);
+  a.Dv = out.shape(3);
+  a.window = window_;
+  a.kv_dtype = to_kernel_dtype(inputs[1].dtype(), "k_pool");
+  a.scale = scale_;
+  const int B = index.shape(0);
+  const Dtype out_dtype = to_kernel_dtype(out.dtype(), "out");
+  const int64_t row_bytes = int64_t(a.Dv) * out.itemsize();
+  encoder.dispatch([a, B, out_dtype, row_bytes, lengths = inputs[4].data<int32_t>(), y = out.data<char>()]() {
+    flash_decode(
+        B * a.n_kv, a.R, a.Dv, a.S, size_t(kAttnTile) * (a.D + a.Dv + a.R) + std::max(a.D, a.Dv),
+        [&](int bh) { return std::clamp(lengths[bh / a.n_kv], 0, a.S); },
+        [&](int bh, int s0, int s1, AttnPartial p, float* scratch) { kernel().paged_attend(a, bh, s0, s1, p, scratch); },
+        [&](int bh, int r, const float* o, float) { store_row(o, a.Dv, out_dtype, y + (int64_t(bh) * a.R + r) * row_bytes); });
+  });
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[paged_attention] the mlx-infer CPU kernels have no GPU implementation");
+}
+
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttention&>(other);
+  return scale_ == o.scale_ && window_ == o.window_;
+}
+
+std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  const mx::Shape& q = inputs[0].shape();
+  return {{q[0], q[1], q[2], inputs[2].shape(1)}};
 }
 
 }  // namespace mlx_infer_kernels

@@ -1,4 +1,5 @@
-// Attention over a quantized KV cache as an MLX operation (a Primitive with eval_cpu).
+// Attention over a quantized KV cache, and over a float paged KV pool, as MLX operations (Primitives with
+// eval_cpu).
 #pragma once
 
 #include "mlx/ops.h"
@@ -54,6 +55,42 @@ class QuantAttention : public mx::Primitive {
   int k_bits_;
   int v_bits_;
   bool channel_keys_;
+};
+
+// out [B, n_q, L, Dv] in q's dtype (accumulated in float32): softmax(scale * q k^T) v of each request b over
+// its live tokens in a paged pool, read through the token table's rows (no gather). q [B, n_q, L, D]
+// float32/float16/bfloat16; k_pool [rows, D] and v_pool [rows, Dv] one dtype (float32/float16/bfloat16),
+// D and Dv multiples of 16; index int32 [B, n_kv, S] the pool rows of request b's live tokens for KV head
+// h (n_q a multiple of n_kv: query head g reads KV head g / (n_q / n_kv)), its first lengths[b] (int32 [B])
+// entries used; q_pos int32 [B, L], k_pos int32 [B, S] original positions: query l sees key t iff
+// k_pos[b, t] <= q_pos[b, l] and, with window > 0, q_pos[b, l] - k_pos[b, t] < window. An index outside
+// [0, rows) is a key nobody sees; a query that sees no key gets zeros.
+// Throws std::invalid_argument on other shapes or dtypes, window < 0, or a stream that is not on the CPU.
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mx::array& index,
+    const mx::array& lengths,
+    const mx::array& q_pos,
+    const mx::array& k_pos,
+    float scale,
+    int window,
+    mx::StreamOrDevice s = {});
+
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream stream, float scale, int window)
+      : mx::Primitive(stream), scale_(scale), window_(window) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxInferPagedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  int window_;
 };
 
 }  // namespace mlx_infer_kernels

@@ -1,10 +1,13 @@
-// Attention over a quantized KV cache, written once over the SIMD trait S of qmm_body.h (included after
-// it, by one translation unit per instruction set, inside an anonymous namespace).
+// Attention over a quantized KV cache and over a float paged KV pool, written once over the SIMD trait S
+// of qmm_body.h (included after it, by one translation unit per instruction set, inside an anonymous
+// namespace).
 //
-// Per tile of kAttnTile keys: dequantize the tile's K rows into an L1 scratch (the packed rows are read
-// once for all R query rows: the heads of a GQA group and the verify positions), score every row
-// against them, dequantize the V rows and fold the tile into each row's online softmax (running max m,
-// sum l, unnormalized acc). The caller merges the partials of a head's key ranges (flash-decoding).
+// Per tile of kAttnTile keys (attend_rows): get the tile's K rows from a source (QuantRows dequantizes
+// packed rows into an L1 scratch; PagedRows points at the pool's rows through the token table's index,
+// converting float16 / bfloat16 ones into the scratch), read once for all R query rows (the heads of a GQA
+// group and the verify positions), score every row against them, get the V rows and fold the tile into
+// each row's online softmax (running max m, sum l, unnormalized acc). The caller merges the partials of a
+// head's key ranges (flash-decoding).
 #pragma once
 
 #include <algorithm>
@@ -70,53 +73,182 @@ inline void dequant_channel_tile(const AttnArgs& a, int h, int t0, int n, float*
   }
 }
 
-template <class S>
-inline float dot(const float* a, const float* b, int n) {
-  using V = typename S::V;
-  V acc = S::zero();
-  for (int i = 0; i < n; i += S::L) {
-    acc = S::fma(S::load(a + i), S::load(b + i), acc);
-  }
-  return S::hsum(acc);
+// The score s of a key, or -inf when the query does not see it (mask -inf; mask 0 when it does).
+inline float masked(float mask, float s) {
+  return mask == -std::numeric_limits<float>::infinity() ? mask : s;
 }
 
+// out[j] = scale * (q . rows[j]) for j < n where out[j] (the mask) is 0, -inf where it is -inf; q and the rows
+// [D] floats: four rows at a time, each with its own accumulator (four independent FMA chains, and q loaded
+// once for them).
 template <class S>
-void attend(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch) {
+inline void score_rows(const float* q, const float* const* rows, int n, int D, float scale, float* out) {
   using V = typename S::V;
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    V a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
+    for (int i = 0; i < D; i += S::L) {
+      const V x = S::load(q + i);
+      a0 = S::fma(x, S::load(rows[j] + i), a0);
+      a1 = S::fma(x, S::load(rows[j + 1] + i), a1);
+      a2 = S::fma(x, S::load(rows[j + 2] + i), a2);
+      a3 = S::fma(x, S::load(rows[j + 3] + i), a3);
+    }
+    out[j] = masked(out[j], scale * S::hsum(a0));
+    out[j + 1] = masked(out[j + 1], scale * S::hsum(a1));
+    out[j + 2] = masked(out[j + 2], scale * S::hsum(a2));
+    out[j + 3] = masked(out[j + 3], scale * S::hsum(a3));
+  }
+  for (; j < n; ++j) {
+    V a = S::zero();
+    for (int i = 0; i < D; i += S::L) a = S::fma(S::load(q + i), S::load(rows[j] + i), a);
+    out[j] = masked(out[j], scale * S::hsum(a));
+  }
+}
+
+// acc[0:Dv] = alpha * acc + sum_j p[j] * rows[j][0:Dv] over j < n: four accumulators over j (four
+// independent FMA chains).
+template <class S>
+inline void fold_rows(float* acc, float alpha, const float* p, const float* const* rows, int n, int Dv) {
+  using V = typename S::V;
+  const V one = S::set1(1.0f);
+  for (int d = 0; d < Dv; d += S::L) {
+    V o0 = S::fma(S::load(acc + d), S::set1(alpha), S::zero()), o1 = S::zero(), o2 = S::zero(), o3 = S::zero();
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+      o0 = S::fma(S::set1(p[j]), S::load(rows[j] + d), o0);
+      o1 = S::fma(S::set1(p[j + 1]), S::load(rows[j + 1] + d), o1);
+      o2 = S::fma(S::set1(p[j + 2]), S::load(rows[j + 2] + d), o2);
+      o3 = S::fma(S::set1(p[j + 3]), S::load(rows[j + 3] + d), o3);
+    }
+    for (; j < n; ++j) o0 = S::fma(S::set1(p[j]), S::load(rows[j] + d), o0);
+    S::store(acc + d, S::fma(S::fma(o3, one, o2), one, S::fma(o1, one, o0)));
+  }
+}
+
+// Points rows[j] at the j-th of n rows of `tile` ([n, dim] floats).
+inline void tile_rows(float* tile, int dim, int n, const float** rows) {
+  for (int j = 0; j < n; ++j) rows[j] = tile + int64_t(j) * dim;
+}
+
+// The tiles of one KV head of a quantized cache: K and V rows dequantized into the tile scratch; query
+// row r sees keys t <= S - P + r % P (causal over the last P tokens).
+template <class S>
+struct QuantRows {
+  const AttnArgs& a;
+  int h;
+  QmmArgs krows, vrows;
+
+  QuantRows(const AttnArgs& args, int head)
+      : a(args), h(head),
+        krows(args.channel_keys ? QmmArgs{}
+              : head_rows(args.k, args.k_scales, args.k_biases, args.k_dtype, head, args.C, args.D,
+                          args.group_size, args.k_bits)),
+        vrows(head_rows(args.v, args.v_scales, args.v_biases, args.v_dtype, head, args.Cv, args.Dv,
+                        args.group_size, args.v_bits)) {}
+
+  void keys(int t0, int n, float* tile, const float** rows) const {
+    if (a.channel_keys) {
+      dequant_channel_tile<S>(a, h, t0, n, tile);
+    } else {
+      dequant_tile<S>(krows, a.k_bits, t0, n, tile);
+    }
+    tile_rows(tile, a.D, n, rows);
+  }
+  void values(int t0, int n, float* tile, const float** rows) const {
+    dequant_tile<S>(vrows, a.v_bits, t0, n, tile);
+    tile_rows(tile, a.Dv, n, rows);
+  }
+  // bias[j] = 0 when row r sees key t0 + j, else -inf (j < n); returns whether it sees any.
+  bool mask(int r, int t0, int n, float* bias) const {
+    const int last = a.S - a.P + r % a.P;
+    for (int j = 0; j < n; ++j) bias[j] = t0 + j <= last ? 0.0f : -std::numeric_limits<float>::infinity();
+    return t0 <= last;
+  }
+};
+
+// rows[j] = the float32 row index[j] (j < n) of a paged pool layer ([pool_rows, dim], dtype dt): the pool's
+// own row for float32, else its conversion in tile[j]; `zeros` for an index outside the pool.
+template <class S>
+inline void pool_rows(const void* pool, Dtype dt, int64_t pool_rows, int dim, const int32_t* index, int n,
+                      const float* zeros, float* tile, const float** rows) {
+  for (int j = 0; j < n; ++j) {
+    const int64_t row = index[j];
+    if (row < 0 || row >= pool_rows) {
+      rows[j] = zeros;
+    } else if (dt == Dtype::f32) {
+      rows[j] = static_cast<const float*>(pool) + row * dim;
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(pool) + row * dim;
+      float* out = tile + int64_t(j) * dim;
+      for (int d = 0; d < dim; ++d) out[d] = load_param<S>(src, d, dt);
+      rows[j] = out;
+    }
+  }
+}
+
+// The tiles of one (request, KV head) of a float paged pool, read through its row index.
+template <class S>
+struct PagedRows {
+  const PagedAttnArgs& a;
+  const int32_t* index;  // [S] this request's and head's pool rows
+  const int32_t* kpos;   // [S]
+  const int32_t* qpos;   // [L]
+  const float* zeros;    // max(D, Dv) zeros
+
+  void keys(int t0, int n, float* tile, const float** rows) const {
+    pool_rows<S>(a.k, a.kv_dtype, a.rows, a.D, index + t0, n, zeros, tile, rows);
+  }
+  void values(int t0, int n, float* tile, const float** rows) const {
+    pool_rows<S>(a.v, a.kv_dtype, a.rows, a.Dv, index + t0, n, zeros, tile, rows);
+  }
+  // bias[j] = 0 when row r sees key t0 + j, else -inf (j < n); returns whether it sees any.
+  bool mask(int r, int t0, int n, float* bias) const {
+    const int64_t q = qpos[r % a.L];
+    const int64_t oldest = a.window > 0 ? q - a.window : std::numeric_limits<int64_t>::min();
+    bool any = false;
+    for (int j = 0; j < n; ++j) {
+      const int64_t k = kpos[t0 + j], row = index[t0 + j];
+      const bool seen = row >= 0 && row < a.rows && k <= q && k > oldest;
+      bias[j] = seen ? 0.0f : -std::numeric_limits<float>::infinity();
+      any |= seen;
+    }
+    return any;
+  }
+};
+
+// The online softmax of R query rows q [R, D] over keys [s0, s1) of one source (QuantRows / PagedRows),
+// tile by tile: the K rows of a tile are read once for all rows, each row scores them, then the V rows
+// are folded into each row's running max m, sum l and unnormalized acc. scratch: kAttnTile * (D + Dv + R)
+// floats.
+template <class S, class Rows>
+void attend_rows(const Rows& src, const float* q, int R, int D, int Dv, float scale, int s0, int s1,
+                 AttnPartial out, float* scratch) {
   constexpr int T = kAttnTile;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float* kt = scratch;                  // [T, D]
-  float* vt = kt + int64_t(T) * a.D;    // [T, Dv]
-  float* sc = vt + int64_t(T) * a.Dv;   // [R, T] scores, then probabilities
-  const QmmArgs krows = a.channel_keys ? QmmArgs{}
-      : head_rows(a.k, a.k_scales, a.k_biases, a.k_dtype, h, a.C, a.D, a.group_size, a.k_bits);
-  const QmmArgs vrows = head_rows(a.v, a.v_scales, a.v_biases, a.v_dtype, h, a.Cv, a.Dv, a.group_size, a.v_bits);
-  const float* q = a.q + int64_t(h) * a.R * a.D;
-  for (int r = 0; r < a.R; ++r) {
+  float* kt = scratch;                // [T, D]
+  float* vt = kt + int64_t(T) * D;    // [T, Dv]
+  float* sc = vt + int64_t(T) * Dv;   // [R, T] scores, then probabilities
+  const float* krow[T];
+  const float* vrow[T];
+  for (int r = 0; r < R; ++r) {
     out.m[r] = neg_inf;
     out.l[r] = 0.0f;
-    for (int d = 0; d < a.Dv; ++d) out.acc[int64_t(r) * a.Dv + d] = 0.0f;
+    for (int d = 0; d < Dv; ++d) out.acc[int64_t(r) * Dv + d] = 0.0f;
   }
   for (int t0 = s0; t0 < s1; t0 += T) {
     const int n = std::min(T, s1 - t0);
-    if (a.channel_keys) {
-      dequant_channel_tile<S>(a, h, t0, n, kt);
-    } else {
-      dequant_tile<S>(krows, a.k_bits, t0, n, kt);
-    }
-    for (int r = 0; r < a.R; ++r) {
-      const int last = a.S - a.P + r % a.P;  // the last key row r sees
-      const float* qr = q + int64_t(r) * a.D;
-      for (int j = 0; j < n; ++j) {
-        sc[r * T + j] = t0 + j <= last ? a.scale * dot<S>(qr, kt + int64_t(j) * a.D, a.D) : neg_inf;
-      }
-    }
-    dequant_tile<S>(vrows, a.v_bits, t0, n, vt);
-    for (int r = 0; r < a.R; ++r) {
+    bool any = false;
+    for (int r = 0; r < R; ++r) any |= src.mask(r, t0, n, sc + r * T);
+    if (!any) continue;  // no row sees a key of this tile: neither K nor V is read
+    src.keys(t0, n, kt, krow);
+    for (int r = 0; r < R; ++r) score_rows<S>(q + int64_t(r) * D, krow, n, D, scale, sc + r * T);
+    src.values(t0, n, vt, vrow);
+    for (int r = 0; r < R; ++r) {
       float* p = sc + r * T;
       float tile_max = neg_inf;
       for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, p[j]);
-      if (tile_max == neg_inf) continue;  // every key of the tile is after this row's position
+      if (tile_max == neg_inf) continue;  // this row sees no key of the tile
       const float m_new = std::max(out.m[r], tile_max);
       const float alpha = std::exp(out.m[r] - m_new);  // 0 for the first tile (m = -inf)
       float sum = 0.0f;
@@ -126,17 +258,24 @@ void attend(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* sc
       }
       out.l[r] = out.l[r] * alpha + sum;
       out.m[r] = m_new;
-      float* acc = out.acc + int64_t(r) * a.Dv;
-      const V va = S::set1(alpha);
-      for (int d = 0; d < a.Dv; d += S::L) {
-        V o = S::fma(S::load(acc + d), va, S::zero());
-        for (int j = 0; j < n; ++j) {
-          o = S::fma(S::set1(p[j]), S::load(vt + int64_t(j) * a.Dv + d), o);
-        }
-        S::store(acc + d, o);
-      }
+      fold_rows<S>(out.acc + int64_t(r) * Dv, alpha, p, vrow, n, Dv);
     }
   }
+}
+
+template <class S>
+void attend(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch) {
+  attend_rows<S>(QuantRows<S>(a, h), a.q + int64_t(h) * a.R * a.D, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
+}
+
+template <class S>
+void paged_attend(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial out, float* scratch) {
+  const int b = bh / a.n_kv;
+  float* zeros = scratch + int64_t(kAttnTile) * (a.D + a.Dv + a.R);  // [max(D, Dv)]
+  std::fill(zeros, zeros + std::max(a.D, a.Dv), 0.0f);
+  const PagedRows<S> src{a, a.index + int64_t(bh) * a.S, a.k_pos + int64_t(b) * a.S, a.q_pos + int64_t(b) * a.L,
+                         zeros};
+  attend_rows<S>(src, a.q + int64_t(bh) * a.R * a.D, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
 }
 
 }  // namespace

@@ -23,6 +23,10 @@ NB_MODULE(_cpu_kernels, m) {
         "v_scales"_a, "v_biases"_a, "length"_a, "scale"_a, "positions"_a, "group_size"_a, "k_bits"_a, "v_bits"_a,
         "channel_keys"_a = false, nb::kw_only(), "stream"_a = nb::none(),
         "[out [H, R, Dv], lse [H, R]] float32: attention of q [H, R, D] over a quantized KV cache (see attn.h).");
+  m.def("paged_attention", &mlx_infer_kernels::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a, "index"_a,
+        "lengths"_a, "q_pos"_a, "k_pos"_a, "scale"_a, "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
+        "out [B, n_q, L, Dv] in q's dtype: attention of q [B, n_q, L, D] over a float paged KV pool read "
+        "through the token table's rows (see attn.h).");
   m.def("rmm_qmm", &mlx_infer_kernels::rmm_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "keep"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y [M, N]: x [M, K] @ dequantize(w).T over the `keep` groups each row keeps (RMM, see rmm.h).");

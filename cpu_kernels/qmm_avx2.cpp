@@ -51,7 +51,8 @@ struct Avx2 {
 }  // namespace
 
 const QmmKernel& kernel_avx2() {
-  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>, &attend<Avx2>};
+  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>, &attend<Avx2>,
+                           &paged_attend<Avx2>};
   return k;
 }
 

@@ -44,7 +44,8 @@ struct Avx512 {
 }  // namespace
 
 const QmmKernel& kernel_avx512() {
-  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>, &attend<Avx512>};
+  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>, &attend<Avx512>,
+                           &paged_attend<Avx512>};
   return k;
 }
 

@@ -116,9 +116,11 @@ struct Generic {
 
 const QmmKernel& kernel_generic() {
 #if defined(__aarch64__)
-  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>};
+  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
+                           &paged_attend<Generic>};
 #else
-  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>};
+  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
+                           &paged_attend<Generic>};
 #endif
   return k;
 }

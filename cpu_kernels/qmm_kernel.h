@@ -53,6 +53,24 @@ struct AttnArgs {
   bool channel_keys;      // KIVI's keys: each channel quantized along tokens (groups of group_size tokens)
 };
 
+// Attention of R query rows of one (request b, KV head h) over a float paged KV pool, read through the
+// token table's row index (no gather): the flash-decoding partial of keys [s0, s1) of that request's live
+// tokens. Query row r is position r % L of the n_rep heads sharing KV head h (R = n_rep * L); it sees key t
+// iff index[b, h, t] is a row of the pool, k_pos[b, t] <= q_pos[b, r % L] and, with window > 0,
+// q_pos[b, r % L] - k_pos[b, t] < window.
+struct PagedAttnArgs {
+  const float* q;          // [B * n_kv, R, D] float32, row-contiguous
+  const void* k;           // [rows, D], kv_dtype: one layer of the pool (row = head * slots + slot)
+  const void* v;           // [rows, Dv], kv_dtype
+  const int32_t* index;    // [B, n_kv, S] pool rows of each request's live tokens, right-padded
+  const int32_t* q_pos;    // [B, L] original positions of the queries
+  const int32_t* k_pos;    // [B, S] original positions of the keys
+  int64_t rows;
+  int n_kv, L, R, S, D, Dv, window;
+  Dtype kv_dtype;
+  float scale;
+};
+
 // Per-row partial softmax state of one key range: running max m[R], sum l[R], unnormalized acc[R, Dv].
 struct AttnPartial {
   float* m;
@@ -75,6 +93,9 @@ struct QmmKernel {
   // The partial of head h over keys [s0, s1) (query row r sees keys s <= S - P + r % P). scratch:
   // kAttnTile * (D + Dv + R) floats, private to the calling thread.
   void (*attend)(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch);
+  // The partial of (request, KV head) bh = b * n_kv + h over its live keys [s0, s1). scratch:
+  // kAttnTile * (D + Dv + R) + max(D, Dv) floats, private to the calling thread.
+  void (*paged_attend)(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial out, float* scratch);
 };
 
 const QmmKernel& kernel_avx512();

@@ -24,7 +24,8 @@ import mlx.nn as nn
 
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_BATCH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
-from ..kv.batch import BatchStep
+from ..kv.attention_hook import install as install_attention_hook
+from ..kv.batch import BatchStep, fused_attention_applies
 from ..kv.errors import KVBudgetError
 from ..kv.session import PagedKV, release
 from .request import BatchRequest
@@ -65,6 +66,7 @@ class BatchScheduler:
         self._solo: Optional[Tuple[BatchRequest, Iterator[int]]] = None  # the lone speculative request
         kv.ensure_layout()
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
+        self._fused = install_attention_hook(model) > 0  # batched steps may attend on the paged kernel (kv/batch.py)
         if kv.pool.max_blocks == 0:
             raise KVBudgetError(f"the KV budget of {kv.pool.budget_bytes} bytes holds no block of {kv.block_size} "
                                 f"tokens ({kv.pool.block_bytes} bytes): raise kv_budget")
@@ -209,8 +211,10 @@ class BatchScheduler:
         """Logits [B, L, V] of one forward of chunks[b] (token ids) for each request (left-padded rows, see
         kv/batch.py); `inputs` [B, L], when given, replaces the ids (chunks then give only the lengths). A lone
         request runs on its own paged cache (a contiguous view instead of a gather, and MLX's causal mask: 9%
-        less time per decode step on the default model)."""
-        if len(reqs) == 1:
+        less time per decode step on the default model than a gathered step) unless the step's attention runs
+        on the paged-attention kernel, which is never slower than that view (1.00-1.08x per decode step at 100
+        tokens of context, 1.24x at 1500, 1.38x at 2000: `bench/kv_core.py --batched`)."""
+        if len(reqs) == 1 and not (self._fused and fused_attention_applies(self.kv.pool, max(map(len, chunks)))):
             return self.model(mx.array(chunks[0])[None] if inputs is None else inputs, cache=reqs[0].cache)
         step = BatchStep([r.sequence for r in reqs], [len(c) for c in chunks])
         logits = self.model(step.inputs(chunks) if inputs is None else inputs, cache=step.caches())

@@ -7,6 +7,9 @@ by the default device and what is available.
 - `gpu_qmm`: the Metal body and its CUDA twin.
 - `attention`: attention over a quantized KV cache (`attention.quant_attention`, `attention.attention_backend`),
   on the CPU kernel, the GPU body of `gpu_attention` or the pure-mx reference.
+- `paged_attention`: attention over a float paged KV pool read in place through the token table's rows
+  (`paged_attention.paged_attention`, `paged_attention.paged_attention_backend`), on the CPU kernel or the
+  pure-mx reference (gather + masked softmax); batched decode steps use it (kv/batch.py).
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
   CPU kernel, the GPU body of `gpu_rmm` or the pure-mx reference.
 """

@@ -383,3 +383,32 @@ def cpu_quant_attention(q: mx.array, keys, values, length: int, scale: float, po
     if with_lse:
         return out, lse
     return out if q.dtype == mx.float32 else out.astype(q.dtype)
+
+
+def cpu_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
+                        q_pos: mx.array, k_pos: mx.array, scale: float, window: int = 0) -> mx.array:
+    """Attention of B requests' queries over their live tokens in a float paged KV pool, on the CPU kernel,
+    reading each K/V row through the token table's row index (no gathered copy): each row read once for all
+    n_rep * L query rows of its KV head, online softmax in float32 over tiles of 32 keys, split over the
+    cores (flash-decoding partials merged). The oracle is kernels.paged_attention.reference_paged_attention.
+
+    Args:
+        q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
+        k_pool: [rows, D] one layer's keys of the pool (BlockPool.keys[layer]: row = head * slots + slot).
+        v_pool: [rows, Dv] its values, k_pool's dtype (float32 / float16 / bfloat16); D, Dv multiples of 16.
+        index: int32 [B, n_kv, S] pool rows of request b's live tokens for KV head h, right-padded (n_q a
+            multiple of n_kv: query head g reads KV head g // (n_q // n_kv)).
+        lengths: int32 [B] live tokens of each request (entries of index past lengths[b] are not read).
+        q_pos: int32 [B, L] original positions of the queries; k_pos: int32 [B, S] of the keys.
+        scale: the softmax scale (usually D ** -0.5).
+        window: sliding window in positions (0: none): query at p sees key at k iff k <= p and p - k < window.
+
+    Returns:
+        [B, n_q, L, Dv] in q's dtype (a query that sees no key gets zeros; an index entry outside
+        [0, rows) is a key no query sees); on the CPU stream.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: operands the kernel does not take (shapes, dtypes, head dims, window < 0).
+    """
+    return _module().paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window, stream=mx.cpu)

@@ -1,8 +1,9 @@
 """The one place mlx-infer reaches into mlx-lm's attention: model modules call
 `scaled_dot_product_attention(queries, keys, values, cache=..., scale=..., mask=...)`, a name each imports
 from mlx_lm.models.base. `install(model)` rebinds that name in the modules of the model's layers to
-`attention`, which hands a QuantKVCache layer to the fused kernel over its packed K/V and everything else
-(float caches, masks the kernel does not take, attention sinks) to mlx-lm's own function, unchanged.
+`attention`, which hands a QuantKVCache layer to the fused kernel over its packed K/V, a batched step's
+layer (BatchLayerCache) to the paged-attention kernel over the block pool, and everything else (other float
+caches, masks or shapes the kernels do not take, attention sinks) to mlx-lm's own function, unchanged.
 Inside an RMM `reduced_products` scope (rmm/attention.py) it first reduces QK^T (the queries) and PV.
 Models whose modules do not use the name still run on a quantized cache through the float K/V it returns.
 """
@@ -14,11 +15,13 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
 from ..rmm.attention import active_products, pv_attention, reduce_queries
+from .batch import BatchLayerCache
 from .quant_cache import QuantKVCache
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask, sinks=None) -> mx.array:
-    """mlx-lm's scaled_dot_product_attention, with the fused quantized-KV kernel for a QuantKVCache.
+    """mlx-lm's scaled_dot_product_attention, with the fused quantized-KV kernel for a QuantKVCache and the
+    paged-attention kernel for a BatchLayerCache (whose keys / values are then left uncomputed).
     queries [B, n_q, L, D], keys / values [B, n_kv, S, D] -> [B, n_q, L, Dv]. In an RMM reduced_products
     scope, the queries are reduced over head_dim first (qk < 1), and PV runs reduced over tokens (pv < 1)."""
     products = active_products()
@@ -28,7 +31,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
             queries = reduce_queries(queries, qk)
         if pv < 1.0 and sinks is None:
             return pv_attention(queries, keys, values, scale, mask, pv)
-    if isinstance(cache, QuantKVCache) and sinks is None:
+    if isinstance(cache, (QuantKVCache, BatchLayerCache)) and sinks is None:
         out = cache.fused_attention(queries, scale, mask)
         if out is not None:
             return out

@@ -10,10 +10,20 @@ Inputs are left-padded to L = max n_b: request b's tokens fill the last n_b colu
 column is a real token (its next-token logits). RoPE positions are per row (an int32 [B] `offset`, which
 mlx's `fast.rope` takes per batch row): row b starts at its logical length minus its padding, so its real
 tokens get their own positions (eviction keeps original positions here too). Each layer writes the real
-tokens' K/V into the pool with one scatter and gathers every request's live tokens (the new ones included)
-with one `mx.take` into [B, n_kv, S, D], right-padded; a bool mask [B, 1, L, S] hides padding, keys after
-the query (causal, by original position) and keys outside a sliding window. The gather index is built once
-per step and shared by all layers (they hold the same slots).
+tokens' K/V into the pool with one scatter. Attention then reads every request's live tokens (the new ones
+included) in one of two ways:
+
+- fused (decode and verify widths, L <= PAGED_MAX_QUERIES, where the paged-attention kernel runs; the
+  attention hook, kv/attention_hook.py, calls `BatchLayerCache.fused_attention`): the kernel reads the
+  pool's rows in place through the step's row index (kernels/paged_attention.py), with the visibility
+  rule of the mask below computed from the same positions; the gathered K/V that `update_and_fetch`
+  returns are then never used, so MLX (lazy) never computes them. Measured on the default model it is
+  faster than the gather at 1-8 requests and 100-2000 tokens of context (docs/kv.md).
+- gathered (prefill chunks, no kernel, models that do not call the hooked attention): one `mx.take` into
+  [B, n_kv, S, D], right-padded, and mlx-lm's attention with a bool mask [B, 1, L, S] that hides padding,
+  keys after the query (causal, by original position) and keys outside a sliding window.
+
+The row index and the positions are built once per step and shared by all layers (they hold the same slots).
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -22,7 +32,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxInferError
+from ..kernels.paged_attention import paged_attention, paged_kernel_fits
+from .pool import BlockPool
 from .sequence import PagedSequence
+
+
+def fused_attention_applies(pool: BlockPool, queries: int) -> bool:
+    """Whether a fused BatchStep of `queries` positions per request over `pool` (its layout configured) attends
+    on the paged-attention kernel here (for a model whose attention the hook reaches, kv/attention_hook.py)."""
+    _, k_dim, v_dim, _ = pool.layout
+    return paged_kernel_fits(queries, k_dim, v_dim)
 
 
 class BatchStep:
@@ -31,13 +50,15 @@ class BatchStep:
     Args:
         sequences: the requests' PagedSequences (between forwards, the pool's layout configured).
         lengths: new tokens per request (each >= 1).
+        fused: attention reads the pool in place on the paged-attention kernel where it runs (see the
+            module docstring); False: always the gather and mlx-lm's masked attention (the reference path).
 
     Raises:
         KVBudgetError: the pool cannot hold the new tokens (nothing is appended then).
         MlxInferError: sequences of different pools, one in the middle of a forward, or a length < 1.
     """
 
-    def __init__(self, sequences: List[PagedSequence], lengths: Sequence[int]):
+    def __init__(self, sequences: List[PagedSequence], lengths: Sequence[int], fused: bool = True):
         if not sequences or len(lengths) != len(sequences) or min(lengths) < 1:
             raise MlxInferError("a batched step needs at least one request, each with >= 1 new token")
         self.sequences, self.lengths = sequences, [int(n) for n in lengths]
@@ -73,10 +94,13 @@ class BatchStep:
             kpos[b, :len(p)] = p
         self.index = mx.array(index.reshape(-1).astype(np.int32))  # [B * n_kv * S]
         self.shape = (B, n_kv, L, S)
+        self.fused = fused
+        self._live = np.array([len(x) for x in slots], np.int32)  # [B] live tokens per request
         self._kpos = kpos  # [B, S] original positions of the keys, -1 = padding
         self._qpos = np.array(starts, np.int64)[:, None] - pads[:, None] + np.arange(L)[None]  # [B, L]
         self.offset = mx.array((np.array(starts) - pads).astype(np.int32))  # [B] RoPE position of column 0
         self._masks: Dict[Optional[int], mx.array] = {}
+        self._kernel_operands: Optional[Tuple[mx.array, mx.array, mx.array, mx.array]] = None
 
     def inputs(self, tokens: Sequence[Sequence[int]]) -> mx.array:
         """The forward's input ids [B, L] uint32: request b's n_b tokens, left-padded with its first token."""
@@ -98,6 +122,24 @@ class BatchStep:
             self._masks[window_size] = mx.array(visible)[:, None]
         return self._masks[window_size]
 
+    def window_of(self, mask) -> Tuple[bool, Optional[int]]:
+        """(True, window_size) when `mask` is one this step built (`mask(window_size)`), else (False, None):
+        how the fused path knows a layer's sliding window from the mask mlx-lm hands its attention."""
+        for window, made in self._masks.items():
+            if made is mask:
+                return True, window
+        return False, None
+
+    def kernel_operands(self) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The paged-attention kernel's view of the step, built once for all layers: (index int32
+        [B, n_kv, S] pool rows, right-padded; lengths int32 [B] live tokens; q_pos int32 [B, L] and k_pos
+        int32 [B, S] original positions)."""
+        if self._kernel_operands is None:
+            B, n_kv, _, S = self.shape
+            self._kernel_operands = (self.index.reshape(B, n_kv, S), mx.array(self._live),
+                                     mx.array(self._qpos.astype(np.int32)), mx.array(self._kpos.astype(np.int32)))
+        return self._kernel_operands
+
     def caches(self) -> List["BatchLayerCache"]:
         """One cache per layer of the model, for `model(inputs, cache=...)`."""
         return [BatchLayerCache(self, layer) for layer in range(self.pool.num_layers)]
@@ -115,7 +157,7 @@ class BatchStep:
 
 class BatchLayerCache:
     """Layer `layer`'s cache for a BatchStep's forward (mlx-lm's protocol: `offset`, `update_and_fetch`,
-    `make_mask`)."""
+    `make_mask`; and `fused_attention` for the attention hook)."""
 
     def __init__(self, step: BatchStep, layer: int):
         self.step, self.layer = step, layer
@@ -145,6 +187,20 @@ class BatchLayerCache:
         k = mx.take(pool.keys[self.layer], step.index, axis=0).reshape(B, n_kv, S, -1)
         v = mx.take(pool.values[self.layer], step.index, axis=0).reshape(B, n_kv, S, -1)
         return k, v
+
+    def fused_attention(self, queries: mx.array, scale: float, mask) -> Optional[mx.array]:
+        """Attention of queries [B, n_q, L, D] over every request's live tokens, read in place from the pool
+        on the paged-attention kernel: [B, n_q, L, Dv] in the queries' dtype. None when it does not apply
+        (the step is not fused, L or the head dims the kernel does not take, no kernel here, or a mask
+        this step did not build): the caller then attends over update_and_fetch's gathered K/V. A padding
+        query (a left-padded column) that sees no key gets zeros, where the mask gives it its request's first
+        key: neither is ever used."""
+        step, pool = self.step, self.step.pool
+        ours, window = step.window_of(mask)
+        if not (step.fused and ours and fused_attention_applies(pool, queries.shape[2])):
+            return None
+        return paged_attention(queries, pool.keys[self.layer], pool.values[self.layer], *step.kernel_operands(),
+                               scale, window or 0)  # [B, n_q, L, Dv]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
         """bool [B, 1, L, S] (BatchStep.mask).

@@ -1,5 +1,6 @@
 """Batched decoding (continuous batching over the block pool): the same tokens as each request alone,
-requests joining and leaving, the KV budget, the threaded runner and cancellation."""
+requests joining and leaving, the KV budget, the threaded runner and cancellation; the fused attention (the
+paged-attention kernel reading the pool in place) against the gather it replaces."""
 
 import subprocess
 import sys
@@ -14,7 +15,11 @@ import mlx_infer
 from gguf_factory import MODEL_TYPES
 from mlx_infer import SamplingParams
 from mlx_infer.errors import MlxInferError
+from mlx_infer.kernels import cpu
+from mlx_infer.kernels.paged_attention import PAGED_MAX_QUERIES
 from mlx_infer.kv import KVBudgetError, make_paged_cache, make_pool
+from mlx_infer.kv import batch as kv_batch
+from mlx_infer.kv.attention_hook import install as install_attention_hook
 from mlx_infer.kv.batch import BatchStep
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
@@ -28,13 +33,87 @@ def engine(default_gguf):
     return mlx_infer.load()
 
 
-def batched_forward(model, caches, chunks):
+def batched_forward(model, caches, chunks, fused=True):
     """One BatchStep forward of `chunks` (token lists) over the requests' paged caches: last-column logits
     [B, V] as float32 numpy."""
-    step = BatchStep([c[0].sequence for c in caches], [len(t) for t in chunks])
+    step = BatchStep([c[0].sequence for c in caches], [len(t) for t in chunks], fused=fused)
     out = model(step.inputs(chunks), cache=step.caches())[:, -1]  # [B, V]
     step.done()
     return np.array(out.astype(mx.float32))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The paged-attention kernel here (skips without one), with the model's attention hooked; returns the
+    list that records the query shape of every fused attention a batched step runs."""
+    if cpu.find_compiler() is None:
+        pytest.skip("no C++ compiler here: the CPU kernels cannot be built")
+    cpu.build_cpu_kernels(quiet=True)
+    cpu.refresh()
+    assert cpu.available(), cpu.why_not()
+    calls = []
+    real = kv_batch.paged_attention
+
+    def spy(q, *args):
+        calls.append(tuple(q.shape))
+        return real(q, *args)
+
+    monkeypatch.setattr(kv_batch, "paged_attention", spy)
+    return calls
+
+
+def twin_caches(model, prompts, block_size, evict=()):
+    """{fused: caches} for fused True / False: the same requests over two pools of `model`, each prompt
+    prefilled alone, then `evict` (request, logical tokens) dropped (holes: non-contiguous positions)."""
+    out = {}
+    for fused in (True, False):
+        pool = make_pool(model, block_size=block_size)
+        caches = [make_paged_cache(model, pool) for _ in prompts]
+        for ids, c in zip(prompts, caches):
+            mx.eval(model(mx.array(ids)[None], cache=c))
+        for b, tokens in evict:
+            caches[b][0].sequence.evict(tokens)
+        out[fused] = caches
+    return out
+
+
+@pytest.mark.parametrize("arch", list(MODEL_TYPES))
+def test_fused_attention_matches_the_gather(tiny_models, arch, kernel_calls):
+    """Ragged requests (one with evicted tokens) decoded, then a verify width of 4 and a prefill chunk of 20
+    for every request: logits of the fused steps equal the gathered ones within float32 rounding (gemma3:
+    sliding-window layers of 8); the kernel runs for L <= PAGED_MAX_QUERIES only, every layer."""
+    model = tiny_models[arch]
+    install_attention_hook(model)
+    prompts = [[5, 17, 260, 99, 3, 101, 42, 7, 255, 12, 64, 9, 30, 31], [200, 31, 8], list(range(40, 75))]
+    caches = twin_caches(model, prompts, 4, evict=[(2, [1, 2, 3, 9, 10, 20])])
+    last = [[p[-1]] for p in prompts]
+    plan = [last] * 3 + [[[7, 8, 9, 10]] * 3, [list(range(100, 120))] * 3, last]
+    layers = len(caches[True][0])
+    for chunks in plan:
+        before = len(kernel_calls)
+        got = batched_forward(model, caches[True], chunks)
+        want = batched_forward(model, caches[False], chunks, fused=False)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        L = len(chunks[0])
+        assert [(c[0], c[2]) for c in kernel_calls[before:]] == ([(3, L)] * layers if L <= PAGED_MAX_QUERIES else [])
+
+
+def test_default_model_fused_greedy_equals_the_gather(engine, kernel_calls):
+    """The default model (quantized weights on the kernels), four requests of different lengths (one with
+    evicted tokens) decoded greedily together for 24 steps: the same tokens with the kernel on and off, and
+    the logits within float32 rounding at every step."""
+    model = engine.model
+    install_attention_hook(model)
+    prompts = [engine.encode(p) for p in PROMPTS[:4]]
+    caches = twin_caches(model, prompts, 16, evict=[(1, list(range(3, len(prompts[1]) - 4, 2)))])
+    tokens = {f: [[p[-1]] for p in prompts] for f in (True, False)}
+    for _ in range(24):
+        logits = {f: batched_forward(model, caches[f], tokens[f], fused=f) for f in (True, False)}
+        np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5 * np.abs(logits[False]).max())
+        for f in (True, False):
+            tokens[f] = [[int(t)] for t in logits[f].argmax(-1)]
+        assert tokens[True] == tokens[False]
+    assert len(kernel_calls) == 24 * len(model.layers)
 
 
 @pytest.mark.parametrize("arch", list(MODEL_TYPES))
@@ -105,6 +184,20 @@ def test_requests_join_and_leave(engine):
     assert max(widths) == 2 and kv.pool.blocks_in_use == len(kv.prefix) == kv.prefix.idle_blocks  # only cached blocks
     for p, n, out in zip(PROMPTS, lengths, steps):
         assert [s.token for s in out if s.token is not None] == engine.generate(p, max_tokens=n).token_ids
+
+
+def test_lone_request_decodes_on_the_kernel(engine, kernel_calls):
+    """A request running alone decodes on a fused step of one row (faster than its own cache's view where the
+    kernel runs) and gives the tokens of `generate` (its prompt, maybe partly cached by earlier tests, is
+    prefilled on its own cache or, a chunk of at most PAGED_MAX_QUERIES tokens, on the kernel too)."""
+    sched = engine.scheduler()
+    out = []
+    sched.add(engine._batch_request(engine.encode(PROMPTS[3]), SamplingParams(max_tokens=12), out.append))
+    while sched.busy:
+        sched.step()
+    assert [s.token for s in out if s.token is not None] == engine.generate(PROMPTS[3], max_tokens=12).token_ids
+    assert {c[0] for c in kernel_calls} == {1} and all(c[2] <= PAGED_MAX_QUERIES for c in kernel_calls)
+    assert sum(c[2] == 1 for c in kernel_calls) >= 10 * len(engine.model.layers)  # the decode steps
 
 
 def test_kv_budget_admission(default_gguf):

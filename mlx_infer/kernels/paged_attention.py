@@ -1,0 +1,120 @@
+"""The kernel layer's attention over a float paged KV pool (issue 13): `paged_attention` runs the CPU kernel
+(cpu_kernels/attn_body.h, PagedRows) or the pure-mx reference (the oracle) by the default device and what is
+available.
+
+    out = paged_attention(q, pool.keys[layer], pool.values[layer], index, lengths, q_pos, k_pos, D ** -0.5)
+
+The pool holds every request's K/V rows (BlockPool: row = head * slots + slot); a request's live tokens are
+scattered over its blocks. The reference gathers them (`mx.take`: a [B, n_kv, S, D] copy per layer and per
+K/V) and runs masked attention; the kernel reads each row in place through the token table's index, once
+for all n_rep * L query rows of its KV head (decode: the GQA group; verify: times the draft width), with
+an online softmax over tiles of 32 keys and the sequence split over the cores (flash-decoding, arXiv
+2307.08691), so neither the gathered K/V nor the mask nor the score matrix is materialized.
+"""
+
+import mlx.core as mx
+
+from . import cpu
+
+#: Most query positions per request (L: decode 1, verify widths) the kernel takes; longer forwards
+#: (prefill chunks) run the reference path.
+PAGED_MAX_QUERIES = 16
+#: The kernel's head dims (D and Dv) are multiples of this (its widest vector).
+PAGED_HEAD_DIM_MULTIPLE = 16
+
+__all__ = ["PAGED_MAX_QUERIES", "paged_attention", "paged_attention_backend", "paged_kernel_fits",
+           "reference_paged_attention", "visible_keys"]
+
+
+def paged_attention_backend() -> str:
+    """Which implementation `paged_attention` runs for decode and verify rows here: 'cpu-<isa>' (the CPU
+    kernel, on MLX's CPU device) or 'reference'."""
+    if mx.default_device() == mx.cpu and cpu.available():
+        return f"cpu-{cpu.isa()}"
+    return "reference"
+
+
+def paged_kernel_fits(queries: int, k_dim: int, v_dim: int) -> bool:
+    """Whether `paged_attention` runs the kernel for `queries` positions per request (L) and head dims
+    k_dim / v_dim here (else the reference)."""
+    return (queries <= PAGED_MAX_QUERIES and k_dim % PAGED_HEAD_DIM_MULTIPLE == 0
+            and v_dim % PAGED_HEAD_DIM_MULTIPLE == 0 and paged_attention_backend() != "reference")
+
+
+def _check(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
+           q_pos: mx.array, k_pos: mx.array, window: int) -> None:
+    if q.ndim != 4 or k_pool.ndim != 2 or v_pool.ndim != 2 or index.ndim != 3:
+        raise ValueError(f"paged_attention: q must be [B, n_q, L, D], the pools [rows, D], index [B, n_kv, S]; got "
+                         f"{tuple(q.shape)}, {tuple(k_pool.shape)}, {tuple(v_pool.shape)}, {tuple(index.shape)}")
+    B, n_q, L, D = q.shape
+    _, n_kv, S = index.shape
+    if k_pool.shape[1] != D or k_pool.shape[0] != v_pool.shape[0] or index.shape[0] != B or n_q % n_kv:
+        raise ValueError(f"paged_attention: shapes do not agree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
+                         f"v_pool {tuple(v_pool.shape)}, index {tuple(index.shape)} (n_q a multiple of n_kv)")
+    for name, a, shape in (("index", index, (B, n_kv, S)), ("lengths", lengths, (B,)), ("q_pos", q_pos, (B, L)),
+                           ("k_pos", k_pos, (B, S))):
+        if a.dtype != mx.int32 or tuple(a.shape) != shape:
+            raise ValueError(f"paged_attention: {name} must be int32 {list(shape)}, got {a.dtype} {list(a.shape)}")
+    if window < 0:
+        raise ValueError(f"paged_attention: window must be >= 0 (0: none), got {window}")
+
+
+def visible_keys(index: mx.array, lengths: mx.array, q_pos: mx.array, k_pos: mx.array, rows: int,
+                 window: int) -> mx.array:
+    """bool [B, n_kv, 1, L, S]: which key each query sees (the kernel's rule): t < lengths[b], index a row
+    of the pool, k_pos <= q_pos and, with window > 0, q_pos - k_pos < window."""
+    S = index.shape[2]
+    q, k = q_pos[:, :, None], k_pos[:, None, :]  # [B, L, 1], [B, 1, S]
+    seen = (k <= q) & (mx.arange(S)[None, None, :] < lengths[:, None, None])  # [B, L, S]
+    if window > 0:
+        seen = seen & (q - k < window)
+    in_pool = (index >= 0) & (index < rows)  # [B, n_kv, S]
+    return seen[:, None, None] & in_pool[:, :, None, None, :]
+
+
+def reference_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array,
+                              lengths: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
+                              window: int = 0) -> mx.array:
+    """The pure-mx oracle of paged_attention: gather every request's rows (`mx.take`), then masked
+    softmax(scale * q k^T) v in float32. Same arguments and result as paged_attention."""
+    B, n_q, L, D = q.shape
+    _, n_kv, S = index.shape
+    rows = k_pool.shape[0]
+    flat = mx.clip(index, 0, rows - 1).reshape(-1)  # [B * n_kv * S]
+    k = mx.take(k_pool, flat, axis=0).reshape(B, n_kv, 1, S, D).astype(mx.float32)
+    v = mx.take(v_pool, flat, axis=0).reshape(B, n_kv, 1, S, -1).astype(mx.float32)
+    qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * scale  # [B, n_kv, n_rep, L, D]
+    mask = visible_keys(index, lengths, q_pos, k_pos, rows, window)  # [B, n_kv, 1, L, S]
+    scores = mx.where(mask, qg @ k.swapaxes(-1, -2), -float("inf"))  # [B, n_kv, n_rep, L, S]
+    probs = mx.where(mask.any(axis=-1, keepdims=True), mx.softmax(scores, axis=-1, precise=True), 0.0)
+    return (probs @ v).reshape(B, n_q, L, -1).astype(q.dtype)  # [B, n_q, L, Dv]
+
+
+def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
+                    q_pos: mx.array, k_pos: mx.array, scale: float, window: int = 0) -> mx.array:
+    """Attention of B requests' queries over their live tokens in a float paged KV pool, on the best path
+    here (the CPU kernel for L <= PAGED_MAX_QUERIES and head dims that are multiples of 16, else the
+    reference).
+
+    Args:
+        q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
+        k_pool: [rows, D] one layer's keys of the pool (BlockPool.keys[layer]); v_pool: [rows, Dv], one dtype.
+        index: int32 [B, n_kv, S] pool rows of request b's live tokens for KV head h, right-padded (query
+            head g reads KV head g // (n_q // n_kv)).
+        lengths: int32 [B] live tokens per request (index entries past them are not read).
+        q_pos: int32 [B, L], k_pos: int32 [B, S] original positions (RoPE positions: eviction keeps them).
+        scale: the softmax scale.
+        window: sliding window in positions (0: none): a query at p sees a key at k iff k <= p and
+            p - k < window.
+
+    Returns:
+        [B, n_q, L, Dv] in q's dtype, accumulated in float32; zeros for a query that sees no key.
+
+    Raises:
+        ValueError: shapes or dtypes that do not agree, or window < 0.
+    """
+    if q.ndim == 4 and v_pool.ndim == 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[1]):
+        return cpu.cpu_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)  # checks
+    _check(q, k_pool, v_pool, index, lengths, q_pos, k_pos, window)
+    return reference_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)
+
