@@ -31,8 +31,8 @@ def test_exact_is_none(text):
 def test_presets_parse_and_accept_overrides():
     for name in RMM_PRESETS:
         assert parse_rmm(name) is not None
-    r = parse_rmm("draft,down=1.0")
-    assert r.rho("down", 2) == 1.0 and r.rho("q", 2) == parse_rmm("draft").rho("q", 2)
+    r = parse_rmm("products,qk=1.0,down=0.5")
+    assert r.products() == {"qk": 1.0, "pv": 0.75} and r.rho("down", 2) == 0.5
 
 
 @pytest.mark.parametrize("text,match", [
