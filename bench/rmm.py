@@ -85,6 +85,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E4
 from ppl import WIKITEXT, mean_kl, ppl, wikitext_windows, window_nll  # noqa: E402
 from spec import load_prompts  # noqa: E402
 
+from mlx_infer.engine import common_prefix  # noqa: E402
 from mlx_infer.generation.decode import plain_tokens  # noqa: E402
 from mlx_infer.generation.sampling import SamplingParams  # noqa: E402
 from mlx_infer.kernels import cpu  # noqa: E402
@@ -513,16 +514,6 @@ def speed_part(model: nn.Module, tokenizer, args, log) -> dict:
         del cache
     return {"contexts": contexts, "rounds": args.rounds, "decode_tokens": args.decode_tokens, "rows": rows,
             "prefill": prefill}
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def print_speed(speed: dict) -> None:

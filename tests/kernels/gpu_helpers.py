@@ -523,6 +523,18 @@ def ptxas_entries(ptxas: str) -> List[Tuple[str, int, int, int, int, int]]:
     return out
 
 
+def assert_compiles_without_spills(sources: List[str], tmp_path, smem_limit: int) -> None:
+    """Compile the CUDA `sources` in one unit with nvcc and assert one entry per source, none with stack,
+    spills, more than 255 registers or more than smem_limit bytes of shared memory."""
+    result = nvcc_compile("\n".join(sources), tmp_path, "all")
+    assert result.returncode == 0, result.stderr[-6000:]
+    entries = ptxas_entries(result.stderr)
+    assert len(entries) == len(sources)
+    for name, stack, stores, loads, regs, smem in entries:
+        assert (stack, stores, loads) == (0, 0, 0), f"{name}: {stack} B stack, {stores}/{loads} B spills"
+        assert regs <= 255 and smem <= smem_limit, (name, regs, smem)
+
+
 ATTN_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 
 

@@ -50,13 +50,7 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     unit (MLX's default header and the prelude are include-guarded, so the sources concatenate)."""
     configs = [(rows, k, n, gs, bits, dtype) for dtype in DTYPES for bits in gpu_qmm.QMM_BITS
                for (k, n, gs) in ((576, 49152, 32), (1536, 576, 128), (576, 192, 64)) for rows in (1, 16)]
-    result = h.nvcc_compile("\n".join(_source(*c) for c in configs), tmp_path, "all")
-    assert result.returncode == 0, result.stderr[-6000:]
-    entries = h.ptxas_entries(result.stderr)
-    assert len(entries) == len(configs)
-    for name, stack, stores, loads, regs, smem in entries:
-        assert (stack, stores, loads) == (0, 0, 0), f"{name}: {stack} B stack, {stores}/{loads} B spills"
-        assert regs <= 255 and smem <= 48 * 1024, (name, regs, smem)
+    h.assert_compiles_without_spills([_source(*c) for c in configs], tmp_path, 48 * 1024)
 
 
 @pytest.mark.skipif(gpu_qmm.cuda_available(), reason="MLX's CUDA back-end is the default device here")
