@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.linear import supports
+from ..kernels.linear import KernelQuantizedLinear
 from ..kernels.rmm import group_keep, rmm_qmm
 
 __all__ = ["RmmLinear", "RmmQuantizedLinear", "index_mask"]
@@ -28,12 +28,13 @@ def index_mask(x: mx.array, keep: int) -> mx.array:
         else mx.ones(x.shape, dtype=mx.bool_)
 
 
-class RmmQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear computing x [..., K] -> [..., N] over the `keep` quantization groups each row of x
-    keeps (kernels.rmm.rmm_qmm), + bias [N].
+class RmmQuantizedLinear(KernelQuantizedLinear):
+    """KernelQuantizedLinear computing x [..., K] -> [..., N] over the `keep` quantization groups each row of
+    x keeps (kernels.rmm.rmm_qmm), + bias [N].
 
     Args:
-        layer: an affine QuantizedLinear the kernels take (kernels.linear.supports), or a kernel twin.
+        layer: an affine QuantizedLinear the kernels take (kernels.linear.supports), or a kernel twin; its
+            arrays are held without a copy.
         retention: rho in (0, 1]; keep = ceil(rho * K / group_size) groups.
 
     Raises:
@@ -41,18 +42,11 @@ class RmmQuantizedLinear(nn.QuantizedLinear):
     """
 
     def __init__(self, layer: nn.QuantizedLinear, retention: float):
-        if not supports(layer):
-            raise ValueError(f"RMM cannot reduce {layer}: affine mode, 4 or 8 bits, group size 32/64/128 only")
-        nn.Module.__init__(self)  # not QuantizedLinear's: it would quantize a random weight
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
-        self.weight, self.scales, self.biases = layer["weight"], layer["scales"], layer["biases"]
-        if "bias" in layer:
-            self.bias = layer["bias"]
+        super().__init__(layer)
         k = self.weight.shape[1] * 32 // self.bits
         self.retention = retention
         self.keep = group_keep(k, self.group_size, retention)
         self.groups = k // self.group_size
-        self.freeze()
 
     def _extra_repr(self) -> str:
         return f"{super()._extra_repr()}, keep={self.keep}/{self.groups} groups"
