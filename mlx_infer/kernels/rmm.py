@@ -27,7 +27,7 @@ from .gpu_qmm import cuda_available, metal_available
 from .gpu_rmm import RMM_MAX_GROUPS, cuda_rmm_qmm, metal_rmm_qmm
 from .qmm import QMM_MAX_ROWS, gpu_operands, qmm, reference_qmm
 
-__all__ = ["group_keep", "group_mask", "reference_rmm_qmm", "rmm_backend", "rmm_qmm"]
+__all__ = ["group_keep", "group_mask", "kept_columns", "reference_rmm_qmm", "rmm_backend", "rmm_qmm"]
 
 
 def group_keep(k: int, group_size: int, retention: float) -> int:
@@ -57,11 +57,13 @@ def reference_rmm_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arr
                       keep: int) -> mx.array:
     """The pure-mx oracle: x [M, K] with its dropped groups zeroed, through mx.quantized_matmul. Returns
     y [M, N] in promote_types(x.dtype, scales.dtype)."""
-    rows, k = x.shape
-    mask = group_mask(x, group_size, keep)  # [M, G]
-    cols = mx.repeat(mask, group_size, axis=1)  # [M, K]
-    xr = mx.where(cols, x, mx.zeros_like(x))
-    return reference_qmm(xr, w, scales, biases, group_size, bits)
+    return reference_qmm(kept_columns(x, group_size, keep), w, scales, biases, group_size, bits)
+
+
+def kept_columns(x: mx.array, group_size: int, keep: int) -> mx.array:
+    """x [M, K] with the groups each row drops (group_mask) zeroed."""
+    cols = mx.repeat(group_mask(x, group_size, keep), group_size, axis=1)  # [M, K]
+    return mx.where(cols, x, mx.zeros_like(x))
 
 
 def rmm_backend() -> str:
@@ -118,6 +120,5 @@ def rmm_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_
     x2 = x.reshape(rows, k)  # [M, K]
     y = _skinny(x2, w, scales, biases, group_size, bits, keep) if rows <= QMM_MAX_ROWS else None
     if y is None:
-        mask = mx.repeat(group_mask(x2, group_size, keep), group_size, axis=1)  # [M, K]
-        y = qmm(mx.where(mask, x2, mx.zeros_like(x2)), w, scales, biases, group_size, bits)
+        y = qmm(kept_columns(x2, group_size, keep), w, scales, biases, group_size, bits)
     return y.reshape(*shape[:-1], w.shape[0])  # [..., N]
