@@ -10,14 +10,14 @@ from .blas import preload_optimized_blas
 # Before mlx.core is imported anywhere: MLX's CPU backend then uses an optimized BLAS.
 preload_optimized_blas()
 
-from typing import Callable, Optional  # noqa: E402
+from typing import Callable, Optional, Union  # noqa: E402
 
 from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  # noqa: E402
 from .errors import MlxInferError  # noqa: E402
 from .generation.sampling import SamplingParams  # noqa: E402
 from .loading import load_model  # noqa: E402
 from .rmm.apply import reduce_model  # noqa: E402
-from .rmm.options import parse_rmm  # noqa: E402
+from .rmm.options import Retention, parse_rmm  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
@@ -25,7 +25,7 @@ __all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationSt
 
 
 def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None,
-         kv_cache: str = "dense", kv_budget=None, block_size: int = 16, rmm: Optional[str] = None,
+         kv_cache: str = "dense", kv_budget=None, block_size: int = 16, rmm: Union[None, str, Retention] = None,
          **kv_quant) -> Engine:
     """Load a model and return an Engine.
 
@@ -38,11 +38,13 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
         kv_cache, kv_budget, block_size: the KV cache ("dense", default, or "paged"), its budget and block
             size (see Engine.configure_kv).
         rmm: reduced matrix multiplication (arXiv 2608.13426; lossy): retention ratios per component,
-            e.g. "attn=0.5,mlp=0.9,qk=0.75" or a preset (see mlx_infer.rmm.options); None: exact.
+            e.g. "attn=0.5,mlp=0.9,qk=0.75" or a preset (see mlx_infer.rmm.options), or a parsed Retention;
+            None: exact. The stats report it in its canonical form (str(Retention)).
         kv_quant: kv_bits, kv_scheme, kv_quant_start, kv_group_size: quantized KV (see Engine.configure_kv).
 
     Raises:
-        MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF, a bad rmm.
+        MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF, a bad rmm (not a
+            string, a bad item, or a layer range that selects none of the model's layers).
     """
     retention = parse_rmm(rmm)  # checked before any model work
     net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)

@@ -34,7 +34,8 @@ class GenerationStats:
         kv_bits: the quantized KV cache's setting ("8", "4", "k8v4", "kivi-4"; None: float KV).
         kv_bytes_per_token: KV bytes one token costs over all layers, K and V (scales included; 0 for the
             paged cache, whose `kv` record has its blocks).
-        rmm: the RMM retention the model runs with (`--rmm`, e.g. "attn=0.5,mlp=0.9"; None: exact).
+        rmm: the RMM retention the model runs with, in its canonical form (str(Retention): "mlp=0.9, attn=0.5"
+            and "attn=0.5,mlp=0.9" both give "attn=0.5,mlp=0.9"); None: exact.
     """
 
     prompt_tokens: int = 0

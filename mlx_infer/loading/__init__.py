@@ -32,7 +32,8 @@ class ModelSource:
         kernels: the backend of mlx-infer's quantized matmul kernel the quantized layers run on
             (kernels.qmm.qmm_backend(), e.g. "cpu-avx512"), or None: MLX's own quantized matmul, or no
             quantized layers.
-        rmm: the RMM retention the model's linear layers were reduced with (`--rmm`), None: exact.
+        rmm: the RMM retention the model's linear layers were reduced with (`--rmm`), in its canonical form
+            (str(Retention)); None: exact.
     """
 
     name: str

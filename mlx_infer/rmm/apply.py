@@ -3,7 +3,8 @@
 
 A layer is a component by the name its path ends in (q_proj ... down_proj, options.LINEAR_COMPONENTS)
 and belongs to decoder layer N when its path holds `layers.N`. Layers at rho = 1, and layers the kernels do
-not take (other quantization modes), stay as they are.
+not take (other quantization modes), stay as they are. A per-layer rule that selects none of the model's
+layers is an error (`Retention.check_layers`).
 """
 
 import copy
@@ -11,7 +12,7 @@ import re
 from typing import Optional, Tuple
 
 import mlx.nn as nn
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from .layers import RmmLinear, RmmQuantizedLinear
 from .options import LINEAR_COMPONENTS, Retention
@@ -26,6 +27,16 @@ def component_of(path: str) -> Tuple[Optional[str], Optional[int]]:
     component = LINEAR_COMPONENTS.get(path.rsplit(".", 1)[-1])
     m = _LAYER.search(path)
     return component, (int(m.group(1)) if m else None)
+
+
+def layer_count(model: nn.Module) -> int:
+    """Decoder layers of `model`: 1 + the largest N of a `layers.N` in its module paths (0 when none)."""
+    last = -1
+    for path, _ in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        m = _LAYER.search(path)
+        if m:
+            last = max(last, int(m.group(1)))
+    return last + 1
 
 
 def _reduced(path: str, module: nn.Module, retention: Retention) -> nn.Module:
@@ -44,7 +55,12 @@ def _reduced(path: str, module: nn.Module, retention: Retention) -> nn.Module:
 
 def reduce_model(model: nn.Module, retention: Retention) -> int:
     """Swap the linear layers of `model` that `retention` reduces for their RMM twins, in place (same
-    arrays). Returns how many were swapped."""
+    arrays). Returns how many were swapped.
+
+    Raises:
+        MlxInferError: a per-layer rule of `retention` that selects none of the model's layers.
+    """
+    retention.check_layers(layer_count(model))
     swapped = 0
 
     def swap(path: str, module: nn.Module) -> nn.Module:
@@ -74,7 +90,7 @@ def _copy_tree(value):
 
 def reduced_view(model: nn.Module, retention: Retention) -> nn.Module:
     """A copy of `model` (every module copied, every array shared: no weight memory) whose linear layers
-    are reduced by `retention`; `model` itself is unchanged."""
+    are reduced by `retention`; `model` itself is unchanged. Raises as reduce_model."""
     view = _copy_tree(model)
     reduce_model(view, retention)
     return view

@@ -116,13 +116,14 @@ def test_pv_attention_against_numpy():
 
 @pytest.fixture(scope="module")
 def rmm_engine(default_gguf):
-    return mlx_infer.load(weights="native", rmm="attn=0.75,qk=0.5")
+    return mlx_infer.load(weights="native", rmm="qk=0.5, ATTN=0.75")
 
 
 def test_engine_reports_and_runs_the_products(rmm_engine, default_engine_native):
     prompt = "Name three colors."
     out = rmm_engine.generate(prompt, max_tokens=12)
-    assert out.stats.rmm == "attn=0.75,qk=0.5"
+    assert out.stats.rmm == "attn=0.75,qk=0.5"  # canonical, not as written
+    assert out.to_dict()["stats"]["rmm"] == "attn=0.75,qk=0.5"
     assert default_engine_native.generate(prompt, max_tokens=12).stats.rmm is None
     with pytest.raises(MlxInferError, match="batched decoding"):
         rmm_engine.generate_batch([prompt, prompt], max_tokens=4)
@@ -131,6 +132,18 @@ def test_engine_reports_and_runs_the_products(rmm_engine, default_engine_native)
 def test_bad_rmm_fails_before_loading():
     with pytest.raises(MlxInferError, match="unknown component"):
         mlx_infer.load("/nonexistent/model.gguf", rmm="ffn=0.5")
+
+
+@pytest.mark.parametrize("value", [0.5, 1, ["attn=0.5"]])
+def test_rmm_of_another_type_fails_before_loading(value):
+    with pytest.raises(MlxInferError, match='rmm must be a string like "attn=0.5,mlp=0.9" or a preset name'):
+        mlx_infer.load("/nonexistent/model.gguf", rmm=value)
+
+
+def test_layer_range_past_the_model_is_refused(default_gguf):
+    """The default model has 30 decoder layers (0-29): mlp@40-50 selects none of them."""
+    with pytest.raises(MlxInferError, match=r"'mlp@40-50=0.5': this model has 30 layers \(0-29\)"):
+        mlx_infer.load(weights="native", rmm="attn=0.9,mlp@40-50=0.5")
 
 
 @pytest.mark.parametrize("max_draft", [2, 4])
