@@ -7,7 +7,9 @@ when streaming), /v1/models, /health, over one engine's BatchRunner (continuous 
 Each request is checked (protocol.py), encoded, and submitted to the runner; its steps come back on the
 runner's thread and are handed to the event loop (call_soon_threadsafe) into the request's asyncio queue.
 A client that disconnects cancels its request at the runner's next step (its KV blocks go back to the pool).
-Errors are OpenAI error objects, never a traceback.
+Errors are OpenAI error objects, never a traceback; an internal error is logged once, with its traceback,
+on the "mlx_infer.server" logger (InternalErrors). Requests the HTTP parser rejects get the same JSON error
+objects when uvicorn runs on http_protocol.JSONErrorProtocol.
 """
 
 import asyncio
@@ -21,6 +23,7 @@ from typing import AsyncIterator, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -70,6 +73,35 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+class InternalErrors:
+    """ASGI middleware around the routes: an exception no handler took is logged once (with its traceback) and
+    answered as a 500 error object. Starlette's own catch-all (an `Exception` handler) re-raises after
+    answering, so that the ASGI server logs it a second time; this one does not. An exception after the
+    response has started (a stream) cannot be answered any more: it goes on, unlogged here, to the ASGI
+    server, which logs it once and closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            if started or scope["type"] != "http":
+                raise
+            log.exception("internal error on %s", scope.get("path", "?"))
+            response = error_response(APIError(500, "internal server error (details are in the server's log)",
+                                               kind="server_error"))
+            await response(scope, receive, send)
+
+
 class Server:
     """The routes' state: the engine (tokenizer and chat template only, on the event loop's thread), its
     runner, the limits, and the requests in flight (their count gives the 429)."""
@@ -92,7 +124,9 @@ class Server:
 
     async def read_json(self, request: Request):
         size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > self.config.max_body_bytes):
+        if size is not None and not (size.isascii() and size.isdigit()):
+            raise APIError(400, f"the Content-Length header must be a number of bytes, got {size!r}")
+        if size is not None and int(size) > self.config.max_body_bytes:
             raise APIError(413, f"the request body is over {self.config.max_body_bytes} bytes")
         body = bytearray()
         async for chunk in request.stream():
@@ -259,17 +293,13 @@ def build_app(engine, runner: BatchRunner, config: ServerConfig) -> Starlette:
     async def disconnected(request: Request, exc: ClientDisconnect) -> Response:
         return Response(status_code=499)
 
-    async def internal(request: Request, exc: Exception) -> Response:
-        log.exception("internal error on %s", request.url.path)
-        return error_response(APIError(500, "internal server error (details are in the server's log)", kind="server_error"))
-
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
-                                                       ClientDisconnect: disconnected, Exception: internal})
+    app = Starlette(routes=routes, middleware=[Middleware(InternalErrors)],
+                    exception_handlers={APIError: api_error, HTTPException: http_error, ClientDisconnect: disconnected})
     app.state.server = server
     return app

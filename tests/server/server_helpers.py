@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from mlx_infer.server import ServerConfig, build_app
+from mlx_infer.server import JSONErrorProtocol, ServerConfig, build_app
 
 
 @contextmanager
@@ -19,7 +19,7 @@ def live_server(engine, **config):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=JSONErrorProtocol))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -1,16 +1,24 @@
 """`mlx-infer serve` through the official openai client and raw HTTP: chat and completions, streaming and
 not, stop strings, usage, concurrent streams equal to each request alone, disconnects, auth, malformed
-requests, 429, and the prefix cache across chat turns."""
+requests (bodies, and raw HTTP the parser rejects), an internal error logged once, 429, and the prefix cache
+across chat turns."""
 
+import asyncio
 import json
+import logging
+import socket
 import threading
 import time
+from types import SimpleNamespace
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
 
 from server_helpers import live_server
+
+from mlx_infer.server import ServerConfig, build_app
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
              "Explain what a CPU does in one sentence.", "Say hi.", "Count from one to ten.",
@@ -126,6 +134,79 @@ def test_malformed_requests(server, body, status, needle):
     error = r.json()["error"]
     assert needle in error["message"] and error["type"] == "invalid_request_error"
     assert "Traceback" not in r.text
+
+
+def raw_request(url: str, request: bytes) -> tuple:
+    """(status, headers (lower-case names), body) of one raw HTTP/1.1 exchange with the server at `url`."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines))
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize("length", [b"abc", b"-1", b"12abc", b"\xef\xbc\x91\xef\xbc\x92"])  # the last: full-width 12
+def test_unparsable_content_length_is_a_json_error(server, length):
+    url, _ = server
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + length + b"\r\n\r\n{}")
+    status, headers, body = raw_request(url, request)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert int(headers["content-length"]) == len(body)
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "Content-Length" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert httpx.get(url + "/health").status_code == 200  # still serving
+
+
+def test_bad_content_length_reaching_the_app_is_a_400(engine):
+    """Behind an ASGI server that passes the header on unparsed, the app itself answers it with a 400."""
+    app = build_app(engine, SimpleNamespace(scheduler=SimpleNamespace(max_batch=1)), ServerConfig())
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-length", "\uff11".encode()), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {}}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert "Content-Length header must be a number" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_internal_error_is_logged_once(server, engine, monkeypatch, caplog):
+    """A 500 is one log record with its traceback (the server's), not a second one from uvicorn."""
+    url, _ = server
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom from the test")
+
+    monkeypatch.setattr(engine, "encode_fitting", boom)
+    uvicorn_log = logging.getLogger("uvicorn")  # uvicorn's loggers do not propagate to the root one
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+            time.sleep(0.2)  # uvicorn logs after the response is sent
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "boom" not in r.text and "Traceback" not in r.text
+    logged = [rec for rec in caplog.records if rec.exc_info and "boom from the test" in str(rec.exc_info[1])]
+    assert len(logged) == 1 and logged[0].name == "mlx_infer.server"
+    assert "/v1/completions" in logged[0].getMessage()
+    assert not [rec for rec in caplog.records if "Exception in ASGI application" in rec.getMessage()]
 
 
 @pytest.mark.parametrize("prompt, needle", [([99999999], "outside the model's vocabulary"), ([-1], "must be"),
