@@ -18,7 +18,9 @@ from mlx_infer.errors import MlxInferError
 from mlx_infer.speculative import MODEL_MODES, MODES
 
 from .errors import user_errors
-from .options import DraftModelOpt, MaxDraftOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, spec_kwargs
+from .options import (
+    DraftModelOpt, MaxDraftOpt, ModelOpt, RmmOpt, VerboseOpt, Weights, WeightsOpt, check_rmm, spec_kwargs,
+)
 from .progress import load_engine
 
 DEFAULT_PROMPT = ("Repeat this list, then add two more fruits to it: apples, bananas, cherries, dates, "
@@ -36,6 +38,7 @@ def bench(
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
     weights: WeightsOpt = Weights.auto,
+    rmm: RmmOpt = None,
     concurrency: Annotated[Optional[int], typer.Option(
         "--concurrency", "-c", min=1,
         help="Time N copies of PROMPT decoded together (continuous batching) against the same N one after "
@@ -46,7 +49,8 @@ def bench(
     """Time greedy generation of PROMPT in each --spec mode, interleaved, and print a table.
 
     Columns: TTFT (s), prefill and decode tokens/s, tau (committed tokens per target forward) and speed
-    relative to plain decoding. Outputs are checked to be identical to plain decoding.
+    relative to plain decoding. Outputs are checked to be identical to plain decoding. With --rmm every mode
+    runs on the reduced model (its plain decoding is the reference).
     """
     with user_errors(verbose):
         if trials < 1 or max_tokens < 1:
@@ -54,13 +58,14 @@ def bench(
         if concurrency is not None:
             if spec or draft_model:
                 raise MlxInferError("--concurrency times plain batched decoding: drop --spec / --draft-model")
-            engine = load_engine(model, weights.value, verbose)
+            checked = check_rmm(rmm, "bench --concurrency", "bench without --concurrency")
+            engine = load_engine(model, weights.value, verbose, checked)
             return show_concurrency(engine, prompt, concurrency, max_tokens, trials, as_json)
         modes = [m.strip().lower() for m in spec] if spec else ["off", "auto"]
         kwargs = {m: spec_kwargs(m, draft_model if m in MODEL_MODES else None, max_draft) for m in modes}
         if draft_model and not any(m in MODEL_MODES for m in modes):
             raise MlxInferError(f"--draft-model needs a --spec that uses it ({', '.join(MODEL_MODES)})")
-        engine = load_engine(model, weights.value, verbose)
+        engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
         runs = {m: [] for m in modes}
         for m in modes:  # warm-up (compile; measure the verify cost curve once)
             engine.generate(prompt, max_tokens=4, **kwargs[m])
@@ -87,9 +92,9 @@ def bench(
             })
         if as_json:
             sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
-                                         "trials": trials, "rows": rows}) + "\n")
+                                         "rmm": engine.source.rmm, "trials": trials, "rows": rows}) + "\n")
             return
-        table = Table(title=f"{engine.source.name} ({engine.source.weights} weights), median of {trials}")
+        table = Table(title=f"{title(engine)}, median of {trials}")
         for col in ("mode (used)", "TTFT s", "prefill tok/s", "decode tok/s", "tau", f"vs {modes[0]}", "same output"):
             table.add_column(col, justify="left" if col.startswith("mode") else "right")
         for r in rows:
@@ -97,6 +102,12 @@ def bench(
                           f"{r['decode_tps']:.1f}", f"{r['tau']:.2f}", f"{r['speed_vs_first']:.2f}x",
                           "yes" if r["identical"] else "NO")
         Console(highlight=False).print(table)
+
+
+def title(engine) -> str:
+    """'default (native weights)', with ', rmm attn=0.5' for a reduced model."""
+    rmm = f", rmm {engine.source.rmm}" if engine.source.rmm is not None else ""
+    return f"{engine.source.name} ({engine.source.weights} weights{rmm})"
 
 
 def show_concurrency(engine, prompt: str, n: int, max_tokens: int, trials: int, as_json: bool) -> None:
@@ -134,9 +145,9 @@ def show_concurrency(engine, prompt: str, n: int, max_tokens: int, trials: int, 
         r["speedup"] = r["total_tps"] / rows[1]["total_tps"]
     if as_json:
         sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
-                                     "trials": trials, "rows": rows}) + "\n")
+                                     "rmm": engine.source.rmm, "trials": trials, "rows": rows}) + "\n")
         return
-    table = Table(title=f"{engine.source.name} ({engine.source.weights} weights), {n} requests, median of {trials}")
+    table = Table(title=f"{title(engine)}, {n} requests, median of {trials}")
     for col in ("system", "tokens", "wall s", "total tok/s", "speedup", "same output"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:

@@ -1,4 +1,4 @@
-"""Flags shared by `generate` and `chat`, and the SamplingParams built from them."""
+"""Flags shared by `generate`, `chat`, `bench` and `serve`, and the SamplingParams built from them."""
 
 from enum import Enum
 from typing import Annotated, List, Optional
@@ -12,7 +12,7 @@ from mlx_infer.kv.defaults import BLOCK_SIZE
 from mlx_infer.kv.options import KV_CACHES, check_block_size, check_kv_cache, parse_budget, parse_evict
 from mlx_infer.kv.quant_options import KV_SCHEMES, kv_quant
 from mlx_infer.rmm.defaults import RMM_PRESETS
-from mlx_infer.rmm.options import parse_rmm
+from mlx_infer.rmm.options import PRODUCT_COMPONENTS, parse_rmm
 from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
 SAMPLING = "Sampling"
@@ -109,13 +109,25 @@ RmmOpt = Annotated[Optional[str], typer.Option(
     help="Reduced matrix multiplication (arXiv 2608.13426; lossy): keep this fraction of each product's "
          "contraction per component, e.g. attn=0.5,mlp=0.9,qk=0.75 (components q k v o gate up down qk pv, "
          "groups attn mlp linear all; per layer: mlp@0-3=0.5) or a preset: " + ", ".join(RMM_PRESETS) + ".")]
+#: --rmm of the batched commands (serve): the linear components only.
+LinearRmmOpt = Annotated[Optional[str], typer.Option(
+    "--rmm", metavar="SPEC|PRESET", rich_help_panel=RMM,
+    help="Reduced matrix multiplication (arXiv 2608.13426; lossy) of the linear layers: keep this fraction of "
+         "each product's contraction per component, e.g. attn=0.5,mlp=0.9 (components q k v o gate up down, "
+         "groups attn mlp linear; per layer: mlp@0-3=0.5). qk / pv need single requests (generate, chat).")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Say more on stderr, and show tracebacks of errors.")]
 
 
-def check_rmm(rmm: Optional[str]) -> Optional[str]:
-    """The --rmm value, checked before the model loads (raises MlxInferError with the one-line reason)."""
-    parse_rmm(rmm)
+def check_rmm(rmm: Optional[str], batched: Optional[str] = None, instead: str = "generate/chat") -> Optional[str]:
+    """The --rmm value, checked before the model loads (raises MlxInferError with the one-line reason).
+    batched: the command that decodes batched ("serve"), which reduces no attention product (qk, pv): their
+    items are refused, pointing at `instead`."""
+    retention = parse_rmm(rmm)
+    if batched and retention is not None and any(v < 1.0 for v in retention.products().values()):
+        raise MlxInferError(f"--rmm {rmm.strip()!r}: {batched} decodes batched; {'/'.join(PRODUCT_COMPONENTS)} "
+                            f"reduction runs only for single requests: use {instead}, or only linear components "
+                            "(q k v o gate up down, attn, mlp, linear)")
     return rmm
 
 
@@ -166,11 +178,25 @@ def unescape(text: str) -> str:
     return "".join(out)
 
 
+#: The flags of SamplingParams fields that have more than one name.
+_SAMPLING_FLAGS = {"temperature": TemperatureOpt, "max_tokens": MaxTokensOpt}
+
+
+def flag_names(option) -> str:
+    """Every name of a flag declared as Annotated[..., typer.Option(NAME, ALIAS, ...)], shortest first:
+    TemperatureOpt -> '--temp/--temperature'."""
+    info = option.__metadata__[0]
+    names = [n for n in (info.default, *info.param_decls) if isinstance(n, str) and n.startswith("-")]
+    return "/".join(sorted(names, key=len))
+
+
 def _as_flag(message: str) -> str:
-    """'top_p must be ...' -> '--top-p must be ...': name the flag the user typed."""
+    """'top_p must be ...' -> '--top-p must be ...': name the flag the user typed (every name of one that
+    has several: '--temp/--temperature must be ...')."""
     field = message.split(" ", 1)[0]
     if field.isidentifier() and field in SamplingParams.__dataclass_fields__:
-        return "--" + field.replace("_", "-") + message[len(field):]
+        flag = flag_names(_SAMPLING_FLAGS[field]) if field in _SAMPLING_FLAGS else "--" + field.replace("_", "-")
+        return flag + message[len(field):]
     return message
 
 

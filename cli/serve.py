@@ -9,11 +9,15 @@ import uvicorn
 from mlx_infer.defaults import MAX_BATCH
 from mlx_infer.errors import MlxInferError
 from mlx_infer.kv.defaults import BLOCK_SIZE
-from mlx_infer.server import ServerConfig, build_app
+from mlx_infer.server import JSONErrorProtocol, ServerConfig, build_app
 from mlx_infer.server.defaults import HOST, MAX_QUEUE, MAX_TOKENS_LIMIT, PORT
+from mlx_infer.speculative import MODES
 
 from .errors import user_errors
-from .options import BlockSizeOpt, KVBudgetOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, kv_kwargs, spec_kwargs
+from .options import (
+    BlockSizeOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, check_rmm,
+    kv_kwargs, spec_kwargs,
+)
 from .progress import load_engine, prepare_speculation, stderr
 
 #: Seconds Ctrl-C waits for open requests before they are cut (each then ends at once, its blocks freed).
@@ -21,6 +25,9 @@ SHUTDOWN_GRACE_S = 3
 
 #: The environment variable read for --api-key (so that the key stays out of `ps` and shell history).
 API_KEY_ENV = "MLX_INFER_API_KEY"
+
+#: The --spec modes serve takes: every mode but "draft" (serve takes no draft model).
+SERVE_MODES = tuple(m for m in MODES if m != "draft")
 
 
 class StoppingServer(uvicorn.Server):
@@ -46,6 +53,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def serve_spec(spec: str) -> dict:
+    """spec_kwargs of serve's --spec (no draft model, max_draft auto); raises MlxInferError listing
+    SERVE_MODES for a mode serve does not take."""
+    mode = spec.strip().lower()
+    if mode == "draft":
+        raise MlxInferError("--spec draft needs a draft model, which serve does not take: use lookup or auto")
+    if mode not in SERVE_MODES:
+        raise MlxInferError(f"--spec must be one of {', '.join(SERVE_MODES)}, got {spec!r}")
+    return spec_kwargs(mode, None, "auto")
+
+
+def check_float_kv(kv_bits: Optional[str]) -> None:
+    """Refuse quantized KV (--kv-bits 8, 4, kXvY): serve decodes batched, on float KV blocks. A bad value
+    gets generate's error; float KV ("16", "off") passes."""
+    options, _ = kv_kwargs("dense", None, None, "on", str(BLOCK_SIZE), {}, kv_bits)
+    if "kv_bits" in options:
+        raise MlxInferError(f"--kv-bits {kv_bits}: serve runs batched decoding on float paged KV; quantized KV is "
+                            "for generate/chat for now (drop --kv-bits)")
+
+
 def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")] = HOST,
@@ -59,12 +86,14 @@ def serve(
     max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1,
                                                   help="Most tokens one request may ask for.")] = MAX_TOKENS_LIMIT,
     spec: Annotated[str, typer.Option(
-        "--spec", metavar="off|lookup|auto|layerskip|dflash|dspark",
+        "--spec", metavar="|".join(SERVE_MODES),
         help="Lossless speculative decoding for a request while it is the only one running (batched requests "
              "decode plainly). Default off: on a CPU, auto measured 0.88-0.96x on chat and code prompts "
              "(docs/serving.md).")] = "off",
     kv_budget: KVBudgetOpt = None,
     block_size: BlockSizeOpt = str(BLOCK_SIZE),
+    kv_bits: KVBitsOpt = None,
+    rmm: LinearRmmOpt = None,
     weights: WeightsOpt = Weights.auto,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -72,18 +101,18 @@ def serve(
     (streaming as server-sent events, or not), GET /v1/models, GET /health.
 
     Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory: a
-    request waits while the budget is full, and one that could never fit gets a 400). Binds 127.0.0.1 unless
-    told otherwise. Ctrl-C stops it, cutting open requests after a few seconds.
+    request waits while the budget is full, and one that could never fit gets a 400). Batched decoding runs
+    on float KV blocks (--kv-bits is refused) and reduces only linear layers (--rmm without qk / pv). Binds
+    127.0.0.1 unless told otherwise. Ctrl-C stops it, cutting open requests after a few seconds.
     """
     with user_errors(verbose):
         if not is_loopback(host) and not api_key:
             raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "
                                 "or bind 127.0.0.1")
         load_kw, _ = kv_kwargs("paged", kv_budget, None, "on", block_size, {})
-        if spec.strip().lower() == "draft":
-            raise MlxInferError("--spec draft needs a draft model, which serve does not take: use lookup or auto")
-        speculative = spec_kwargs(spec, None, "auto")
-        engine = load_engine(model, weights.value, verbose)
+        check_float_kv(kv_bits)
+        speculative = serve_spec(spec)
+        engine = load_engine(model, weights.value, verbose, check_rmm(rmm, "serve"))
         engine.configure_kv(**load_kw)
         prepare_speculation(engine, speculative)  # the one-time measurements before the first request
         runner = engine.batch_runner(max_batch)
@@ -91,11 +120,12 @@ def serve(
                               max_queue=max_queue, speculative=speculative.get("speculative", "off"))
         try:
             shown = f"[{host}]" if ":" in host else host
-            stderr.print(f"serving {engine.source.name} on http://{shown}:{port}/v1 (Ctrl-C stops)"
+            reduced = f" (rmm {engine.source.rmm}, lossy)" if engine.source.rmm is not None else ""
+            stderr.print(f"serving {engine.source.name}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
                          + ("; API key required" if api_key else ""), markup=False)
             app = build_app(engine, runner, config)
             server = StoppingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
-                                                   access_log=verbose, lifespan="off",
+                                                   access_log=verbose, lifespan="off", http=JSONErrorProtocol,
                                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S),
                                     on_exit=app.state.server.shutdown)
             try:

@@ -1,12 +1,16 @@
-"""`mlx-infer serve` as users start it: refusals before loading, and a live server that answers and stops
-cleanly on Ctrl-C (exit 0, no traceback, no abort from MLX's thread streams)."""
+"""`mlx-infer serve` as users start it: refusals before loading (API key, KV budget, quantized KV, --spec modes,
+--rmm on qk / pv), and a live server that answers, gives JSON errors to requests the HTTP parser rejects, and
+stops cleanly on Ctrl-C (exit 0, no traceback, no abort from MLX's thread streams)."""
 
+import json
 import signal
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
 
 import httpx
+import pytest
 from cli_helpers import TIMEOUT_S, assert_user_error, cli_env, entry_point
 
 
@@ -18,11 +22,14 @@ def test_bad_kv_budget(run_cli):
     assert_user_error(run_cli("serve", "--kv-budget", "lots"), "--kv-budget")
 
 
-def test_serves_and_stops_on_ctrl_c(default_gguf):
+@contextmanager
+def serving(*args):
+    """(port, process) of `mlx-infer serve --port PORT *args` once /health answers; Ctrl-C'd on exit (if still
+    running) and waited for, its stderr then in process.stderr_text."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([entry_point(), "serve", "--port", str(port)], env=cli_env(),
+    proc = subprocess.Popen([entry_point(), "serve", "--port", str(port), *args], env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -34,6 +41,15 @@ def test_serves_and_stops_on_ctrl_c(default_gguf):
             except httpx.HTTPError:
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.5)
+        yield port, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        _, proc.stderr_text = proc.communicate(timeout=TIMEOUT_S)
+
+
+def test_serves_and_stops_on_ctrl_c(default_gguf):
+    with serving() as (port, proc):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sky is", "max_tokens": 4},
                        timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -44,15 +60,53 @@ def test_serves_and_stops_on_ctrl_c(default_gguf):
             proc.send_signal(signal.SIGINT)  # with a stream open: it ends with an error event and [DONE]
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+    err = proc.stderr_text
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "terminate called" not in err
     assert f"serving default on http://127.0.0.1:{port}/v1" in err
 
 
+def test_serves_a_reduced_model_and_answers_bad_http_in_json(default_gguf):
+    """--rmm with linear components only; the startup line names the retention in its canonical form; a
+    request whose Content-Length is not a number gets an OpenAI error object, not uvicorn's plain text."""
+    with serving("--rmm", "mlp=0.9, attn=0.75") as (port, proc):
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sky is", "max_tokens": 4},
+                       timeout=TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: abc\r\n\r\n{}")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and "Content-Length" in error["message"]
+    assert proc.returncode == 0, proc.stderr_text
+    assert f"serving default (rmm attn=0.75,mlp=0.9, lossy) on http://127.0.0.1:{port}/v1" in proc.stderr_text
+
+
 def test_spec_draft_is_refused(run_cli):
     assert_user_error(run_cli("serve", "--spec", "draft"), "serve does not take")
-    assert_user_error(run_cli("serve", "--spec", "fast"), "--spec must be one of")
+    line = assert_user_error(run_cli("serve", "--spec", "fast"), "--spec must be one of")
+    assert line == "error: --spec must be one of off, auto, lookup, layerskip, rmm, dflash, dspark, got 'fast'"
+
+
+def test_help_lists_the_spec_modes_serve_takes(run_cli):
+    proc = run_cli("serve", "--help")
+    assert proc.returncode == 0 and "off|auto|lookup|layerskip|rmm|dflash|dspark" in proc.stdout
+    assert "|draft|" not in proc.stdout
+
+
+@pytest.mark.parametrize("bits", ["8", "4", "k8v4"])
+def test_quantized_kv_is_refused(run_cli, bits):
+    assert_user_error(run_cli("serve", "--kv-bits", bits, "-m", "/definitely/not/here.gguf"),
+                      f"--kv-bits {bits}: serve runs batched decoding on float paged KV; quantized KV is for "
+                      "generate/chat for now")
+
+
+def test_kv_bits_is_checked_as_generate_checks_it(run_cli):
+    assert_user_error(run_cli("serve", "--kv-bits", "3", "-m", "/definitely/not/here.gguf"), "--kv-bits must be")
+    # float KV is what serve runs on: accepted (the run then fails on the missing model, not on --kv-bits)
+    assert_user_error(run_cli("serve", "--kv-bits", "16", "-m", "/definitely/not/here.gguf"), "no GGUF file")
