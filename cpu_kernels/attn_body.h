@@ -217,6 +217,72 @@ struct PagedRows {
   }
 };
 
+// y[j] = e^(scale * x[j] - shift) for j < n (y may be x); returns their sum. A tail shorter than a vector
+// is padded with -inf (whose e^ is 0), so every value goes through the same vector e^x.
+template <class S>
+inline float exp_shifted(const float* x, float* y, int n, float scale, float shift) {
+  using V = typename S::V;
+  const V vs = S::set1(scale), vm = S::set1(-shift);
+  V sum = S::zero();
+  int j = 0;
+  for (; j + S::L <= n; j += S::L) {
+    const V e = S::exp(S::fma(S::load(x + j), vs, vm));
+    S::store(y + j, e);
+    sum = S::fma(e, S::set1(1.0f), sum);
+  }
+  if (j < n) {
+    alignas(64) float tail[S::L];
+    std::fill(tail, tail + S::L, -std::numeric_limits<float>::infinity());
+    std::copy(x + j, x + n, tail);
+    const V e = S::exp(S::fma(S::load(tail), vs, vm));
+    S::store(tail, e);
+    sum = S::fma(e, S::set1(1.0f), sum);
+    std::copy(tail, tail + (n - j), y + j);
+  }
+  return S::hsum(sum);
+}
+
+// The largest of x[0:n] (n >= 1).
+template <class S>
+inline float row_max(const float* x, int n) {
+  using V = typename S::V;
+  float m = -std::numeric_limits<float>::infinity();
+  int j = 0;
+  if (n >= S::L) {
+    V vm = S::load(x);
+    for (j = S::L; j + S::L <= n; j += S::L) vm = S::max(vm, S::load(x + j));
+    m = S::hmax(vm);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// The causal softmax of prefill score rows [r0, r1) (see SoftmaxArgs in qmm_kernel.h).
+template <class S>
+void softmax_rows(const SoftmaxArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t i = r0; i < r1; ++i) {
+    const float* x = a.x + i * a.S;
+    float* y = a.y + i * a.S;
+    const int64_t pos = int64_t(a.q0) + (i % a.R) % a.period;
+    const int hi = int(std::min<int64_t>(a.S - 1, pos));
+    const int lo = a.window > 0 ? int(std::max<int64_t>(0, pos - a.window + 1)) : 0;
+    if (hi < lo) {
+      std::fill(y, y + a.S, 0.0f);
+      continue;
+    }
+    const int n = hi - lo + 1;
+    const float m = a.scale * row_max<S>(x + lo, n);  // scale > 0
+    const float inv = 1.0f / exp_shifted<S>(x + lo, y + lo, n, a.scale, m);
+    using V = typename S::V;
+    const V vi = S::set1(inv);
+    int j = lo;
+    for (; j + S::L <= hi + 1; j += S::L) S::store(y + j, S::fma(S::load(y + j), vi, S::zero()));
+    for (; j <= hi; ++j) y[j] *= inv;
+    std::fill(y, y + lo, 0.0f);
+    std::fill(y + hi + 1, y + a.S, 0.0f);
+  }
+}
+
 // The online softmax of R query rows q [R, D] over keys [s0, s1) of one source (QuantRows / PagedRows),
 // tile by tile: the K rows of a tile are read once for all rows, each row scores them, then the V rows
 // are folded into each row's running max m, sum l and unnormalized acc. scratch: kAttnTile * (D + Dv + R)
@@ -251,11 +317,7 @@ void attend_rows(const Rows& src, const float* q, int R, int D, int Dv, float sc
       if (tile_max == neg_inf) continue;  // this row sees no key of the tile
       const float m_new = std::max(out.m[r], tile_max);
       const float alpha = std::exp(out.m[r] - m_new);  // 0 for the first tile (m = -inf)
-      float sum = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - m_new);
-        sum += p[j];
-      }
+      const float sum = exp_shifted<S>(p, p, n, 1.0f, m_new);
       out.l[r] = out.l[r] * alpha + sum;
       out.m[r] = m_new;
       fold_rows<S>(out.acc + int64_t(r) * Dv, alpha, p, vrow, n, Dv);

@@ -7,6 +7,7 @@
 #include "attn.h"
 #include "qmm.h"
 #include "rmm.h"
+#include "softmax.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -30,6 +31,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("rmm_qmm", &mlx_infer_kernels::rmm_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "keep"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y [M, N]: x [M, K] @ dequantize(w).T over the `keep` groups each row keeps (RMM, see rmm.h).");
+  m.def("causal_softmax", &mlx_infer_kernels::causal_softmax, "x"_a, "scale"_a, "period"_a, "q0"_a,
+        "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
+        "y [..., R, S] float32: the causal softmax of scale * x for a prefill tile (see softmax.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

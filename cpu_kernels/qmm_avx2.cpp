@@ -24,6 +24,28 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
   }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float hmax(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  // e^x as Avx512::exp (2^n built in the exponent bits), 0 below -87.3 (-inf).
+  static V exp(V x) {
+    const __m256 lo = _mm256_set1_ps(kExpLo);
+    const __m256 kept = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(kExpHi));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), kept);
+  }
   // 8 bytes -> 16 codes in kernel order: out[0] = low nibbles (codes 0, 2, .., 14), out[1] = high.
   static void codes4(const uint8_t* p, V* out) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -52,7 +74,7 @@ struct Avx2 {
 
 const QmmKernel& kernel_avx2() {
   static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>, &attend<Avx2>,
-                           &paged_attend<Avx2>};
+                           &paged_attend<Avx2>, &softmax_rows<Avx2>};
   return k;
 }
 

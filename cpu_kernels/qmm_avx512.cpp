@@ -18,6 +18,22 @@ struct Avx512 {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V set1(float f) { return _mm512_set1_ps(f); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  // e^x (Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2; within 2 ulp), 0 below -87.3 (-inf).
+  static V exp(V x) {
+    const __m512 lo = _mm512_set1_ps(kExpLo);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kExpHi));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_mask_blend_ps(under, _mm512_scalef_ps(p, n), _mm512_setzero_ps());
+  }
   // 16 bytes -> 32 codes in kernel order: out[0] = low nibbles (codes 0, 2, .., 30), out[1] = high.
   static void codes4(const uint8_t* p, V* out) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -45,7 +61,7 @@ struct Avx512 {
 
 const QmmKernel& kernel_avx512() {
   static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>, &attend<Avx512>,
-                           &paged_attend<Avx512>};
+                           &paged_attend<Avx512>, &softmax_rows<Avx512>};
   return k;
 }
 

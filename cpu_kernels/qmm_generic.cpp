@@ -1,5 +1,6 @@
 // Portable variant: 8-float "vectors" as plain arrays that the compiler vectorizes at -O3 (NEON on
 // arm64, SSE2 on baseline x86-64). Used where neither AVX-512 nor AVX2 is available.
+#include <algorithm>
 #include <cmath>
 
 #include "qmm_body.h"
@@ -90,6 +91,19 @@ struct Generic {
     for (int i = 0; i < L; ++i) s += a.v[i];
     return s;
   }
+  static V max(V a, V b) {
+    for (int i = 0; i < L; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
+    return a;
+  }
+  static float hmax(V a) {
+    float m = a.v[0];
+    for (int i = 1; i < L; ++i) m = std::max(m, a.v[i]);
+    return m;
+  }
+  static V exp(V a) {
+    for (int i = 0; i < L; ++i) a.v[i] = std::exp(a.v[i]);
+    return a;
+  }
   // L bytes -> 2L codes in kernel order: out[0] = low nibbles (codes 0, 2, ..), out[1] = high.
   static void codes4(const uint8_t* p, V* out) {
     for (int i = 0; i < L; ++i) {
@@ -117,10 +131,10 @@ struct Generic {
 const QmmKernel& kernel_generic() {
 #if defined(__aarch64__)
   static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
-                           &paged_attend<Generic>};
+                           &paged_attend<Generic>, &softmax_rows<Generic>};
 #else
   static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
-                           &paged_attend<Generic>};
+                           &paged_attend<Generic>, &softmax_rows<Generic>};
 #endif
   return k;
 }

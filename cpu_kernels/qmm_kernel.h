@@ -78,6 +78,28 @@ struct AttnPartial {
   float* acc;
 };
 
+// Softmax over rows of attention scores x [rows, S] (float32, row-contiguous) into y (may be x), causal
+// for a prefill tile: row i is query position q0 + (i % R) % period, which sees key j iff j <= that position
+// and, with window > 0, j > position - window. y[i, j] = exp(scale * x[i, j] - max) / sum over the keys the
+// row sees, 0 for the others (and for every key of a row that sees none).
+struct SoftmaxArgs {
+  const float* x;
+  float* y;
+  int64_t R;  // rows per matrix (the leading axes are matrices)
+  int S, period, q0, window;
+  float scale;
+};
+
+// The vector e^x of the SIMD traits: x = n ln2 + r (ln2 split in two for exactness), Cephes' expf
+// polynomial for e^r, 2^n from the exponent; below kExpLo (e.g. a masked -inf) the result is 0.
+constexpr float kExpLo = -87.33654f;
+constexpr float kExpHi = 88.72283f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // Keys per tile of the attention loop (dequantized K and V tiles stay in L1).
 constexpr int kAttnTile = 32;
 
@@ -96,6 +118,8 @@ struct QmmKernel {
   // The partial of (request, KV head) bh = b * n_kv + h over its live keys [s0, s1). scratch:
   // kAttnTile * (D + Dv + R) + max(D, Dv) floats, private to the calling thread.
   void (*paged_attend)(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial out, float* scratch);
+  // The causal softmax of rows [r0, r1) (see SoftmaxArgs).
+  void (*softmax_rows)(const SoftmaxArgs& a, int64_t r0, int64_t r1);
 };
 
 const QmmKernel& kernel_avx512();

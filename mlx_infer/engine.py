@@ -127,9 +127,8 @@ class Engine:
         self._kv: Optional[PagedKV] = None
         self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
         self._quant: Optional[KVQuant] = None
+        install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
-        if rmm is not None and rmm.products() != {"qk": 1.0, "pv": 1.0}:
-            install_attention_hook(self.model)
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
@@ -152,8 +151,6 @@ class Engine:
         self.reset()
         self._kv = PagedKV(self.model, budget, size) if kind == "paged" else None
         self._quant = quant
-        if quant is not None:
-            install_attention_hook(self.model)
 
     @property
     def kv_bits(self) -> Optional[str]:

@@ -412,3 +412,27 @@ def cpu_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: 
         ValueError: operands the kernel does not take (shapes, dtypes, head dims, window < 0).
     """
     return _module().paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window, stream=mx.cpu)
+
+
+def cpu_causal_softmax(scores: mx.array, scale: float, period: int, q0: int, window: int = 0) -> mx.array:
+    """The causal softmax of one prefill tile's attention scores on the CPU kernel: vectorized e^x
+    (AVX-512 / AVX2; MLX's CPU softmax calls the scalar libm exp per element), rows split over the cores,
+    the scores' buffer reused for the result when MLX can donate it.
+
+    Args:
+        scores: [..., R, S] float32, q . k (unscaled); row r of each matrix is the query at position
+            q0 + r % period (a tile of `period` queries, repeated for the heads of a GQA group), column j
+            the key at position j.
+        scale: the softmax scale (> 0; usually D ** -0.5).
+        period: queries in the tile (>= 1).
+        q0: position of the tile's first query (>= 0).
+        window: sliding window in positions (0: none): the query at p sees key j iff j <= p and p - j < window.
+
+    Returns:
+        [..., R, S] float32: softmax(scale * scores) over the keys each row sees, 0 for the others.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: another dtype or ndim < 2, period < 1, q0 < 0, window < 0 or scale <= 0.
+    """
+    return _module().causal_softmax(scores, scale, period, q0, window, stream=mx.cpu)
