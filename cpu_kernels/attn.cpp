@@ -250,33 +250,16 @@ void store_row(const float* o, int n, Dtype dt, void* y) {
 
 }  // namespace
 
-mx::array paged_attention(
-    const mx::array& q,
-    const mx::array& k_pool,
-    const mx::array& v_pool,
-    const mx::array& index,
-    const mx::array& lengths,
-    const mx::array& q_pos,
-    const mx::array& k_pos,
-    float scale,
-    int window,
-    mx::StreamOrDevice s) {
-  if (q.ndim() != 4 || q.shape(2) < 1) {
-    throw std::invalid_argument("[paged_attention] q must be [B, n_q, L, D] with L >= 1, got " + shape_str(q));
-  }
-  to_kernel_dtype(q.dtype(), "q");
-  if (k_pool.ndim() != 2 || v_pool.ndim() != 2 || k_pool.shape(0) != v_pool.shape(0) ||
-      k_pool.dtype() != v_pool.dtype()) {
-    throw std::invalid_argument("[paged_attention] k_pool and v_pool must be [rows, D] and [rows, Dv] of one dtype, got " +
-                                shape_str(k_pool) + " and " + shape_str(v_pool));
-  }
-  to_kernel_dtype(k_pool.dtype(), "k_pool");
-  const int B = q.shape(0), n_q = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int Dv = v_pool.shape(1);
-  if (k_pool.shape(1) != D || D % 16 != 0 || Dv % 16 != 0 || Dv < 16) {
-    throw std::invalid_argument("[paged_attention] head dims must agree (q " + shape_str(q) + ", k_pool " +
-                                shape_str(k_pool) + ") and be multiples of 16 (D " + std::to_string(D) + ", Dv " +
-                                std::to_string(Dv) + ")");
+namespace {
+
+// Checks the operands paged_attention and paged_quant_attention share (q [B, n_q, L, D], the head dims D
+// and Dv, the index, lengths, positions and window).
+void check_paged_operands(const mx::array& q, int D, int Dv, const mx::array& index, const mx::array& lengths,
+                          const mx::array& q_pos, const mx::array& k_pos, int window, const std::string& pools) {
+  const int B = q.shape(0), n_q = q.shape(1), L = q.shape(2);
+  if (q.shape(3) != D || D % 16 != 0 || Dv % 16 != 0 || Dv < 16) {
+    throw std::invalid_argument("[paged_attention] head dims must agree (q " + shape_str(q) + ", " + pools +
+                                ") and be multiples of 16 (D " + std::to_string(D) + ", Dv " + std::to_string(Dv) + ")");
   }
   if (index.ndim() != 3 || index.shape(0) != B || index.shape(1) < 1 || n_q % index.shape(1) != 0) {
     throw std::invalid_argument("[paged_attention] index must be int32 [B=" + std::to_string(B) +
@@ -291,30 +274,122 @@ mx::array paged_attention(
   if (window < 0) {
     throw std::invalid_argument("[paged_attention] window must be >= 0 (0: none), got " + std::to_string(window));
   }
+}
+
+void check_paged_q(const mx::array& q) {
+  if (q.ndim() != 4 || q.shape(2) < 1) {
+    throw std::invalid_argument("[paged_attention] q must be [B, n_q, L, D] with L >= 1, got " + shape_str(q));
+  }
+  to_kernel_dtype(q.dtype(), "q");
+}
+
+}  // namespace
+
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& k_pool,
+    const mx::array& v_pool,
+    const mx::array& index,
+    const mx::array& lengths,
+    const mx::array& q_pos,
+    const mx::array& k_pos,
+    float scale,
+    int window,
+    mx::StreamOrDevice s) {
+  check_paged_q(q);
+  if (k_pool.ndim() != 2 || v_pool.ndim() != 2 || k_pool.shape(0) != v_pool.shape(0) ||
+      k_pool.dtype() != v_pool.dtype()) {
+    throw std::invalid_argument("[paged_attention] k_pool and v_pool must be [rows, D] and [rows, Dv] of one dtype, got " +
+                                shape_str(k_pool) + " and " + shape_str(v_pool));
+  }
+  to_kernel_dtype(k_pool.dtype(), "k_pool");
+  check_paged_operands(q, k_pool.shape(1), v_pool.shape(1), index, lengths, q_pos, k_pos, window,
+                       "k_pool " + shape_str(k_pool));
   mx::Stream stream = cpu_stream(s);
   mx::array qf = row_contiguous(mx::astype(q, mx::float32, stream), stream);
   return mx::array(
-      {B, n_q, L, Dv}, q.dtype(), std::make_shared<PagedAttention>(stream, scale, window),
+      {q.shape(0), q.shape(1), q.shape(2), v_pool.shape(1)}, q.dtype(), std::make_shared<PagedAttention>(stream, scale, window),
       {qf, row_contiguous(k_pool, stream), row_contiguous(v_pool, stream), row_contiguous(index, stream),
        row_contiguous(lengths, stream), row_contiguous(q_pos, stream), row_contiguous(k_pos, stream)});
 }
 
+mx::array paged_quant_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& k_scales,
+    const mx::array& k_biases,
+    const mx::array& v,
+    const mx::array& v_scales,
+    const mx::array& v_biases,
+    const mx::array& index,
+    const mx::array& lengths,
+    const mx::array& q_pos,
+    const mx::array& k_pos,
+    float scale,
+    int group_size,
+    int window,
+    mx::StreamOrDevice s) {
+  check_paged_q(q);
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("[paged_attention] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  int bits[2], dims[2];
+  const mx::array* packed[2][3] = {{&k, &k_scales, &k_biases}, {&v, &v_scales, &v_biases}};
+  for (int i = 0; i < 2; ++i) {
+    const mx::array &w = *packed[i][0], &sc = *packed[i][1], &bi = *packed[i][2];
+    const std::string name = i == 0 ? "k" : "v";
+    if (w.ndim() != 2 || w.dtype() != mx::uint32 || sc.ndim() != 2 || sc.shape() != bi.shape() ||
+        sc.dtype() != bi.dtype() || sc.shape(0) != w.shape(0) || w.shape(0) != k.shape(0) || sc.shape(1) < 1 ||
+        (w.shape(1) * 32) % (sc.shape(1) * group_size) != 0) {
+      throw std::invalid_argument("[paged_attention] " + name + " must be uint32 codes [rows, dim * bits / 32] with " +
+                                  "scales and biases [rows, dim / group_size] of one dtype, the rows of k; got " +
+                                  shape_str(w) + ", " + shape_str(sc) + ", " + shape_str(bi));
+    }
+    to_kernel_dtype(sc.dtype(), (name + "_scales").c_str());
+    dims[i] = sc.shape(1) * group_size;
+    bits[i] = w.shape(1) * 32 / dims[i];
+    if (bits[i] != 4 && bits[i] != 8) {
+      throw std::invalid_argument("[paged_attention] " + name + " bits must be 4 or 8, got " + std::to_string(bits[i]));
+    }
+    if (dims[i] % 32 != 0) {
+      throw std::invalid_argument("[paged_attention] quantized head dim " + std::to_string(dims[i]) +
+                                  " must be a multiple of 32");
+    }
+  }
+  if (k_scales.dtype() != v_scales.dtype()) {
+    throw std::invalid_argument("[paged_attention] k and v scales must be one dtype");
+  }
+  check_paged_operands(q, dims[0], dims[1], index, lengths, q_pos, k_pos, window, "k " + shape_str(k));
+  mx::Stream stream = cpu_stream(s);
+  mx::array qf = row_contiguous(mx::astype(q, mx::float32, stream), stream);
+  std::vector<mx::array> inputs{qf};
+  for (const mx::array* a : {&k, &k_scales, &k_biases, &v, &v_scales, &v_biases, &index, &lengths, &q_pos, &k_pos}) {
+    inputs.push_back(row_contiguous(*a, stream));
+  }
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), dims[1]}, q.dtype(),
+                   std::make_shared<PagedAttention>(stream, scale, window, group_size, bits[0], bits[1]), inputs);
+}
+
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const char* names[] = {"q", "k_pool", "v_pool", "index", "lengths", "q_pos", "k_pos"};
-  for (size_t i = 0; i < inputs.size(); ++i) require_row_contiguous(inputs[i], names[i]);
+  const bool quant = k_bits_ > 0;
+  const char* float_names[] = {"q", "k_pool", "v_pool", "index", "lengths", "q_pos", "k_pos"};
+  const char* quant_names[] = {"q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases", "index", "lengths",
+                               "q_pos", "k_pos"};
+  for (size_t i = 0; i < inputs.size(); ++i) require_row_contiguous(inputs[i], quant ? quant_names[i] : float_names[i]);
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const mx::array& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  const mx::array& index = inputs[3];
+  const int at = quant ? 7 : 3;  // where index, lengths, q_pos, k_pos start
+  const mx::array& index = inputs[at];
   PagedAttnArgs a{};
   a.q = inputs[0].data<float>();
   a.k = inputs[1].data<void>();
-  a.v = inputs[2].data<void>();
+  a.v = inputs[quant ? 4 : 2].data<void>();
   a.index = index.data<int32_t>();
-  a.q_pos = inputs[5].data<int32_t>();
-  a.k_pos = inputs[6].data<int32_t>();
+  a.q_pos = inputs[at + 2].data<int32_t>();
+  a.k_pos = inputs[at + 3].data<int32_t>();
   a.rows = inputs[1].shape(0);
   a.n_kv = index.shape(1);
   a.L = inputs[0].shape(2);
@@ -323,12 +398,23 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.D = inputs[0].shape(3);
   a.Dv = out.shape(3);
   a.window = window_;
-  a.kv_dtype = to_kernel_dtype(inputs[1].dtype(), "k_pool");
   a.scale = scale_;
+  if (quant) {
+    a.k_scales = inputs[2].data<void>();
+    a.k_biases = inputs[3].data<void>();
+    a.v_scales = inputs[5].data<void>();
+    a.v_biases = inputs[6].data<void>();
+    a.group_size = group_size_;
+    a.k_bits = k_bits_;
+    a.v_bits = v_bits_;
+    a.sb_dtype = to_kernel_dtype(inputs[2].dtype(), "k_scales");
+  } else {
+    a.kv_dtype = to_kernel_dtype(inputs[1].dtype(), "k_pool");
+  }
   const int B = index.shape(0);
   const Dtype out_dtype = to_kernel_dtype(out.dtype(), "out");
   const int64_t row_bytes = int64_t(a.Dv) * out.itemsize();
-  encoder.dispatch([a, B, out_dtype, row_bytes, lengths = inputs[4].data<int32_t>(), y = out.data<char>()]() {
+  encoder.dispatch([a, B, out_dtype, row_bytes, lengths = inputs[at + 1].data<int32_t>(), y = out.data<char>()]() {
     flash_decode(
         B * a.n_kv, a.R, a.Dv, a.S, size_t(kAttnTile) * (a.D + a.Dv + a.R) + std::max(a.D, a.Dv),
         [&](int bh) { return std::clamp(lengths[bh / a.n_kv], 0, a.S); },
@@ -343,12 +429,14 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
-  return scale_ == o.scale_ && window_ == o.window_;
+  return scale_ == o.scale_ && window_ == o.window_ && group_size_ == o.group_size_ && k_bits_ == o.k_bits_ &&
+         v_bits_ == o.v_bits_;
 }
 
 std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
   const mx::Shape& q = inputs[0].shape();
-  return {{q[0], q[1], q[2], inputs[2].shape(1)}};
+  const int Dv = k_bits_ > 0 ? inputs[5].shape(1) * group_size_ : inputs[2].shape(1);
+  return {{q[0], q[1], q[2], Dv}};
 }
 
 }  // namespace mlx_infer_kernels

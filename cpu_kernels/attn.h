@@ -78,10 +78,36 @@ mx::array paged_attention(
     int window,
     mx::StreamOrDevice s = {});
 
+// paged_attention over a pool of quantized blocks: k [rows, D * k_bits / 32] uint32 codes with k_scales,
+// k_biases [rows, D / group_size] (MLX's affine layout, one row per (head, slot)), v likewise with v_bits
+// and Dv; scales and biases one dtype (float32/float16/bfloat16). bits 4 or 8, group_size 32, 64 or 128, D
+// and Dv multiples of 32 and of group_size. Each row is dequantized into the kernel's tile scratch as it is
+// read through the index; otherwise as paged_attention.
+// Throws std::invalid_argument on other shapes, dtypes, bits or group sizes, as paged_attention otherwise.
+mx::array paged_quant_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& k_scales,
+    const mx::array& k_biases,
+    const mx::array& v,
+    const mx::array& v_scales,
+    const mx::array& v_biases,
+    const mx::array& index,
+    const mx::array& lengths,
+    const mx::array& q_pos,
+    const mx::array& k_pos,
+    float scale,
+    int group_size,
+    int window,
+    mx::StreamOrDevice s = {});
+
+// Inputs: q, k_pool, v_pool, index, lengths, q_pos, k_pos (float blocks: k_bits 0), or q, k, k_scales,
+// k_biases, v, v_scales, v_biases, index, lengths, q_pos, k_pos (quantized blocks).
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, float scale, int window)
-      : mx::Primitive(stream), scale_(scale), window_(window) {}
+  PagedAttention(mx::Stream stream, float scale, int window, int group_size = 0, int k_bits = 0, int v_bits = 0)
+      : mx::Primitive(stream), scale_(scale), window_(window), group_size_(group_size), k_bits_(k_bits),
+        v_bits_(v_bits) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxInferPagedAttention"; }
@@ -91,6 +117,9 @@ class PagedAttention : public mx::Primitive {
  private:
   float scale_;
   int window_;
+  int group_size_;
+  int k_bits_;
+  int v_bits_;
 };
 
 }  // namespace mlx_infer_kernels

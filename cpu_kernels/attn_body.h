@@ -1,10 +1,11 @@
-// Attention over a quantized KV cache and over a float paged KV pool, written once over the SIMD trait S
+// Attention over a quantized KV cache and over a paged KV pool (float or quantized blocks), written once over the SIMD trait S
 // of qmm_body.h (included after it, by one translation unit per instruction set, inside an anonymous
 // namespace).
 //
 // Per tile of kAttnTile keys (attend_rows): get the tile's K rows from a source (QuantRows dequantizes
 // packed rows into an L1 scratch; PagedRows points at the pool's rows through the token table's index,
-// converting float16 / bfloat16 ones into the scratch), read once for all R query rows (the heads of a GQA
+// converting float16 / bfloat16 ones into the scratch; PagedQuantRows dequantizes the packed pool rows it
+// points at into the scratch), read once for all R query rows (the heads of a GQA
 // group and the verify positions), score every row against them, get the V rows and fold the tile into
 // each row's online softmax (running max m, sum l, unnormalized acc). The caller merges the partials of a
 // head's key ranges (flash-decoding).
@@ -40,15 +41,20 @@ inline QmmArgs head_rows(const uint32_t* w, const void* scales, const void* bias
   return r;
 }
 
+// Packed row `row` of `rows` (bits 4 or 8) as rows.K floats in natural order into out.
+template <class S>
+inline void dequant_row_at(const QmmArgs& rows, int bits, int row, float* out) {
+  if (bits == 4) {
+    dequant_row<S, 4, true>(rows, row, out);
+  } else {
+    dequant_row<S, 8, true>(rows, row, out);
+  }
+}
+
+// Packed rows [t0, t0 + n) as float rows out [n, rows.K].
 template <class S>
 inline void dequant_tile(const QmmArgs& rows, int bits, int t0, int n, float* out) {
-  for (int j = 0; j < n; ++j) {
-    if (bits == 4) {
-      dequant_row<S, 4, true>(rows, t0 + j, out + int64_t(j) * rows.K);
-    } else {
-      dequant_row<S, 8, true>(rows, t0 + j, out + int64_t(j) * rows.K);
-    }
-  }
+  for (int j = 0; j < n; ++j) dequant_row_at<S>(rows, bits, t0 + j, out + int64_t(j) * rows.K);
 }
 
 // Channel keys (KIVI): tokens [t0, t0 + n) of head h as float rows out [n, D]; the tokens lie in one
@@ -167,24 +173,26 @@ struct QuantRows {
   }
 };
 
-// rows[j] = the float32 row index[j] (j < n) of a paged pool layer ([pool_rows, dim], dtype dt): the pool's
-// own row for float32, else its conversion in tile[j]; `zeros` for an index outside the pool.
-template <class S>
-inline void pool_rows(const void* pool, Dtype dt, int64_t pool_rows, int dim, const int32_t* index, int n,
-                      const float* zeros, float* tile, const float** rows) {
+// rows[j] = the float32 row index[j] (j < n) of a paged pool layer of pool_rows rows: load(row, tile + j * dim)
+// gives it (a pointer to dim floats: the pool's own row, or its conversion in the tile scratch); `zeros` for
+// an index outside the pool.
+template <class Load>
+inline void index_rows(const int32_t* index, int n, int64_t pool_rows, int dim, const float* zeros, float* tile,
+                       const float** rows, Load load) {
   for (int j = 0; j < n; ++j) {
     const int64_t row = index[j];
-    if (row < 0 || row >= pool_rows) {
-      rows[j] = zeros;
-    } else if (dt == Dtype::f32) {
-      rows[j] = static_cast<const float*>(pool) + row * dim;
-    } else {
-      const uint16_t* src = static_cast<const uint16_t*>(pool) + row * dim;
-      float* out = tile + int64_t(j) * dim;
-      for (int d = 0; d < dim; ++d) out[d] = load_param<S>(src, d, dt);
-      rows[j] = out;
-    }
+    rows[j] = row < 0 || row >= pool_rows ? zeros : load(row, tile + int64_t(j) * dim);
   }
+}
+
+// Row `row` of a float pool layer ([rows, dim], dtype dt) as float32: the row itself for float32, else its
+// conversion in out.
+template <class S>
+inline const float* float_row(const void* pool, Dtype dt, int dim, int64_t row, float* out) {
+  if (dt == Dtype::f32) return static_cast<const float*>(pool) + row * dim;
+  const uint16_t* src = static_cast<const uint16_t*>(pool) + row * dim;
+  for (int d = 0; d < dim; ++d) out[d] = load_param<S>(src, d, dt);
+  return out;
 }
 
 // The tiles of one (request, KV head) of a float paged pool, read through its row index.
@@ -197,10 +205,12 @@ struct PagedRows {
   const float* zeros;    // max(D, Dv) zeros
 
   void keys(int t0, int n, float* tile, const float** rows) const {
-    pool_rows<S>(a.k, a.kv_dtype, a.rows, a.D, index + t0, n, zeros, tile, rows);
+    index_rows(index + t0, n, a.rows, a.D, zeros, tile, rows,
+               [&](int64_t row, float* out) { return float_row<S>(a.k, a.kv_dtype, a.D, row, out); });
   }
   void values(int t0, int n, float* tile, const float** rows) const {
-    pool_rows<S>(a.v, a.kv_dtype, a.rows, a.Dv, index + t0, n, zeros, tile, rows);
+    index_rows(index + t0, n, a.rows, a.Dv, zeros, tile, rows,
+               [&](int64_t row, float* out) { return float_row<S>(a.v, a.kv_dtype, a.Dv, row, out); });
   }
   // bias[j] = 0 when row r sees key t0 + j, else -inf (j < n); returns whether it sees any.
   bool mask(int r, int t0, int n, float* bias) const {
@@ -214,6 +224,26 @@ struct PagedRows {
       any |= seen;
     }
     return any;
+  }
+};
+
+// The tiles of one (request, KV head) of a paged pool of quantized blocks: PagedRows' index and mask, each
+// row dequantized (QuantRows' row dequantizer) into the tile scratch as it is read, through the index.
+template <class S>
+struct PagedQuantRows : PagedRows<S> {
+  QmmArgs krows, vrows;  // every row of the pool layer's K / V codes
+
+  void keys(int t0, int n, float* tile, const float** rows) const {
+    index_rows(this->index + t0, n, this->a.rows, this->a.D, this->zeros, tile, rows, [&](int64_t row, float* out) {
+      dequant_row_at<S>(krows, this->a.k_bits, int(row), out);
+      return static_cast<const float*>(out);
+    });
+  }
+  void values(int t0, int n, float* tile, const float** rows) const {
+    index_rows(this->index + t0, n, this->a.rows, this->a.Dv, this->zeros, tile, rows, [&](int64_t row, float* out) {
+      dequant_row_at<S>(vrows, this->a.v_bits, int(row), out);
+      return static_cast<const float*>(out);
+    });
   }
 };
 
@@ -337,7 +367,19 @@ void paged_attend(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial ou
   std::fill(zeros, zeros + std::max(a.D, a.Dv), 0.0f);
   const PagedRows<S> src{a, a.index + int64_t(bh) * a.S, a.k_pos + int64_t(b) * a.S, a.q_pos + int64_t(b) * a.L,
                          zeros};
-  attend_rows<S>(src, a.q + int64_t(bh) * a.R * a.D, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
+  const float* q = a.q + int64_t(bh) * a.R * a.D;
+  if (a.k_bits == 0) {
+    attend_rows<S>(src, q, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
+    return;
+  }
+  // the whole pool layer as the rows of one head (head_rows of head 0 over `rows` token rows)
+  const PagedQuantRows<S> packed{
+      src,
+      head_rows(static_cast<const uint32_t*>(a.k), a.k_scales, a.k_biases, a.sb_dtype, 0, int(a.rows), a.D,
+                a.group_size, a.k_bits),
+      head_rows(static_cast<const uint32_t*>(a.v), a.v_scales, a.v_biases, a.sb_dtype, 0, int(a.rows), a.Dv,
+                a.group_size, a.v_bits)};
+  attend_rows<S>(packed, q, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
 }
 
 }  // namespace

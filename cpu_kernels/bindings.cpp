@@ -28,6 +28,11 @@ NB_MODULE(_cpu_kernels, m) {
         "lengths"_a, "q_pos"_a, "k_pos"_a, "scale"_a, "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
         "out [B, n_q, L, Dv] in q's dtype: attention of q [B, n_q, L, D] over a float paged KV pool read "
         "through the token table's rows (see attn.h).");
+  m.def("paged_quant_attention", &mlx_infer_kernels::paged_quant_attention, "q"_a, "k"_a, "k_scales"_a, "k_biases"_a,
+        "v"_a, "v_scales"_a, "v_biases"_a, "index"_a, "lengths"_a, "q_pos"_a, "k_pos"_a, "scale"_a, "group_size"_a,
+        "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
+        "out [B, n_q, L, Dv] in q's dtype: attention of q [B, n_q, L, D] over a paged KV pool of quantized "
+        "blocks, each row dequantized as the kernel reads it through the token table's rows (see attn.h).");
   m.def("rmm_qmm", &mlx_infer_kernels::rmm_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "keep"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y [M, N]: x [M, K] @ dequantize(w).T over the `keep` groups each row keeps (RMM, see rmm.h).");

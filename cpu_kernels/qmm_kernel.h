@@ -53,15 +53,17 @@ struct AttnArgs {
   bool channel_keys;      // KIVI's keys: each channel quantized along tokens (groups of group_size tokens)
 };
 
-// Attention of R query rows of one (request b, KV head h) over a float paged KV pool, read through the
+// Attention of R query rows of one (request b, KV head h) over a paged KV pool, read through the
 // token table's row index (no gather): the flash-decoding partial of keys [s0, s1) of that request's live
 // tokens. Query row r is position r % L of the n_rep heads sharing KV head h (R = n_rep * L); it sees key t
 // iff index[b, h, t] is a row of the pool, k_pos[b, t] <= q_pos[b, r % L] and, with window > 0,
 // q_pos[b, r % L] - k_pos[b, t] < window.
+// With quantized blocks (k_bits > 0) each pool row is packed in MLX's affine layout (groups along head_dim).
 struct PagedAttnArgs {
   const float* q;          // [B * n_kv, R, D] float32, row-contiguous
-  const void* k;           // [rows, D], kv_dtype: one layer of the pool (row = head * slots + slot)
-  const void* v;           // [rows, Dv], kv_dtype
+  const void* k;           // [rows, D], kv_dtype: one layer of the pool (row = head * slots + slot);
+                           // quantized: uint32 codes [rows, D * k_bits / 32]
+  const void* v;           // [rows, Dv], kv_dtype; quantized: uint32 codes [rows, Dv * v_bits / 32]
   const int32_t* index;    // [B, n_kv, S] pool rows of each request's live tokens, right-padded
   const int32_t* q_pos;    // [B, L] original positions of the queries
   const int32_t* k_pos;    // [B, S] original positions of the keys
@@ -69,6 +71,13 @@ struct PagedAttnArgs {
   int n_kv, L, R, S, D, Dv, window;
   Dtype kv_dtype;
   float scale;
+  // Quantized blocks only (k_bits 0: float blocks): scales / biases [rows, dim / group_size], sb_dtype.
+  const void* k_scales;
+  const void* k_biases;
+  const void* v_scales;
+  const void* v_biases;
+  int group_size, k_bits, v_bits;
+  Dtype sb_dtype;
 };
 
 // Per-row partial softmax state of one key range: running max m[R], sum l[R], unnormalized acc[R, Dv].

@@ -29,7 +29,7 @@ from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
 from .kv.quant_cache import kv_bytes_per_token, make_quant_cache
-from .kv.quant_options import KVQuant, kv_quant
+from .kv.quant_options import KVQuant, check_paged_quant, kv_quant
 from .kv.session import KVRequest, PagedKV, release
 from .loading import ModelSource
 from .paths import model_fingerprint
@@ -91,7 +91,8 @@ class Engine:
     without holes, +1-4% with them, measured in bench/kv_core.py --overhead) or "paged" (a block pool per
     engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with reclaimed
     blocks); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
-    block_size (tokens per block, 16). Quantized KV (dense cache, single requests): kv_bits (8, 4 or
+    block_size (tokens per block, 16). Quantized KV (dense cache; paged cache and batched decoding: quantized
+    blocks, affine scheme from the first token only): kv_bits (8, 4 or
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
     keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
     kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64). Attention then reads the packed K/V through the kernel
@@ -139,17 +140,18 @@ class Engine:
         Raises:
             MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, or a
                 kv_budget / block_size other than the default given with the dense cache; a bad quantized-KV
-                option (see kv.quant_options.kv_quant), or kv_bits with the paged cache.
+                option (see kv.quant_options.kv_quant), or with the paged cache a quantization its blocks
+                cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant).
         """
         kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
         quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual)
         if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
         if kind == "paged" and quant is not None:
-            raise MlxInferError("kv_bits needs the dense KV cache (quantized blocks in the paged cache are not "
-                                "supported yet): use kv_cache='dense'")
+            check_paged_quant(quant)  # KIVI or a float prefix: a one-line error
         self.reset()
-        self._kv = PagedKV(self.model, budget, size) if kind == "paged" else None
+        self._kv = PagedKV(self.model, budget, size, quant) if kind == "paged" else None
+        self._batch_pool = None  # a dense engine's batched pool follows its quantization (made on first use)
         self._quant = quant
 
     @property
@@ -448,18 +450,22 @@ class Engine:
     # ---- batched decoding (continuous batching over the block pool)
 
     def _batch_kv(self) -> PagedKV:
-        """The pool batched requests use: the engine's paged cache, or (dense engine) a private unbounded one.
-        Raises MlxInferError with quantized KV (batched decoding runs on float KV blocks)."""
-        if self._quant is not None:
-            raise MlxInferError("batched decoding runs on float KV blocks; quantized KV (kv_bits) is for single "
-                                "requests for now: configure_kv(kv_bits=None) first")
+        """The pool batched requests use: the engine's paged cache, or (dense engine) a private unbounded one,
+        with quantized blocks when the engine quantizes its KV (kv_bits). Raises MlxInferError for a
+        quantization the blocks cannot hold (a dense engine's KIVI or float prefix) or reduced attention
+        products (RMM qk / pv)."""
+        if self._quant is not None and self._kv is None:
+            try:
+                check_paged_quant(self._quant)
+            except MlxInferError as exc:
+                raise MlxInferError(f"batched decoding runs on the paged KV pool: {exc}") from None
         if self.rmm is not None and self.rmm.products() != {"qk": 1.0, "pv": 1.0}:
             raise MlxInferError("batched decoding does not reduce the attention products: load the model with "
                                 "rmm= without qk / pv for batched requests")
         if self._kv is not None:
             return self._kv
         if self._batch_pool is None:
-            self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE)
+            self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE, self._quant)
         return self._batch_pool
 
     def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit, speculative: str = "off") -> BatchRequest:

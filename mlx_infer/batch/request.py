@@ -111,6 +111,7 @@ class BatchRequest:
         first = self.first_at or end
         n = self.assembler.n
         began = self.admitted_at or self.submitted_at
+        pool = self.sequence.pool if self.cache is not None else None  # its KV blocks' pool (None: never admitted)
         stats = GenerationStats(
             prompt_tokens=len(self.prompt_ids),
             generated_tokens=n,
@@ -120,6 +121,8 @@ class BatchRequest:
             total_s=end - self.submitted_at,
             peak_memory_bytes=int(mx.get_peak_memory()),
             cached_prompt_tokens=self.cached_tokens,
+            kv_bits=str(pool.quant) if pool is not None and pool.quant is not None else None,
+            kv_bytes_per_token=float(pool.num_layers * pool.token_bytes) if pool is not None else 0.0,
         )
         if self.spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = self.spec.mode or "off", self.spec.tau, self.spec.rounds

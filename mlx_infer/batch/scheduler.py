@@ -203,7 +203,7 @@ class BatchScheduler:
                 if not todo[r]:
                     del todo[r]
             tokens = [r.sample(logits[b:b + 1, -1, :]) for b, r in ending]  # [1] each
-            mx.eval(tokens + [a for a in pool.keys + pool.values if a is not None])
+            mx.eval(tokens + pool.arrays())
             firsts.update((r, int(t.item())) for (_, r), t in zip(ending, tokens))
         return [firsts[r] for r in reqs]
 

@@ -414,6 +414,31 @@ def cpu_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: 
     return _module().paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window, stream=mx.cpu)
 
 
+def cpu_paged_quant_attention(q: mx.array, keys, values, index: mx.array, lengths: mx.array, q_pos: mx.array,
+                              k_pos: mx.array, scale: float, group_size: int, window: int = 0) -> mx.array:
+    """cpu_paged_attention over a pool of quantized blocks: each K/V row, packed in MLX's affine layout,
+    is dequantized into the kernel's tile scratch as it is read through the index (no gathered or
+    dequantized copy). The oracle is kernels.paged_attention.reference_paged_quant_attention.
+
+    Args:
+        q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
+        keys: (codes uint32 [rows, D * k_bits / 32], scales, biases [rows, D / group_size]) one layer's keys
+            of the pool (BlockPool.keys[layer]); values: the same for V (v_bits, Dv). Bits 4 or 8; D, Dv
+            multiples of 32 and of group_size; scales and biases float16 / bfloat16 / float32, one dtype.
+        index, lengths, q_pos, k_pos, scale, window: as cpu_paged_attention.
+        group_size: values per scale / bias along head_dim (32, 64 or 128).
+
+    Returns:
+        [B, n_q, L, Dv] in q's dtype, as cpu_paged_attention.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: operands the kernel does not take.
+    """
+    return _module().paged_quant_attention(q, *keys, *values, index, lengths, q_pos, k_pos, scale, group_size, window,
+                                           stream=mx.cpu)
+
+
 def cpu_causal_softmax(scores: mx.array, scale: float, period: int, q0: int, window: int = 0) -> mx.array:
     """The causal softmax of one prefill tile's attention scores on the CPU kernel: vectorized e^x
     (AVX-512 / AVX2; MLX's CPU softmax calls the scalar libm exp per element), rows split over the cores,

@@ -1,16 +1,22 @@
-"""The kernel layer's attention over a float paged KV pool (issue 13): `paged_attention` runs the CPU kernel
-(cpu_kernels/attn_body.h, PagedRows) or the pure-mx reference (the oracle) by the default device and what is
-available.
+"""The kernel layer's attention over a paged KV pool (issue 13): `paged_attention` (float blocks) and
+`paged_quant_attention` (quantized blocks) run the CPU kernel (cpu_kernels/attn_body.h, PagedRows /
+PagedQuantRows) or the pure-mx reference (the oracle) by the default device and what is available.
 
     out = paged_attention(q, pool.keys[layer], pool.values[layer], index, lengths, q_pos, k_pos, D ** -0.5)
+    out = paged_quant_attention(q, pool.keys[layer], pool.values[layer], index, lengths, q_pos, k_pos,
+                                D ** -0.5, group_size)      # pool.keys[layer]: (codes, scales, biases)
 
 The pool holds every request's K/V rows (BlockPool: row = head * slots + slot); a request's live tokens are
 scattered over its blocks. The reference gathers them (`mx.take`: a [B, n_kv, S, D] copy per layer and per
 K/V) and runs masked attention; the kernel reads each row in place through the token table's index, once
 for all n_rep * L query rows of its KV head (decode: the GQA group; verify: times the draft width), with
 an online softmax over tiles of 32 keys and the sequence split over the cores (flash-decoding, arXiv
-2307.08691), so neither the gathered K/V nor the mask nor the score matrix is materialized.
+2307.08691), so neither the gathered K/V nor the mask nor the score matrix is materialized. Over quantized
+blocks (each row packed in MLX's affine layout, groups along head_dim) the kernel dequantizes a tile's rows
+into its L1 scratch as it reads them; the reference gathers the packed rows and dequantizes them.
 """
+
+from typing import Sequence
 
 import mlx.core as mx
 
@@ -22,8 +28,8 @@ PAGED_MAX_QUERIES = 16
 #: The kernel's head dims (D and Dv) are multiples of this (its widest vector).
 PAGED_HEAD_DIM_MULTIPLE = 16
 
-__all__ = ["PAGED_MAX_QUERIES", "paged_attention", "paged_attention_backend", "paged_kernel_fits",
-           "reference_paged_attention", "visible_keys"]
+__all__ = ["PAGED_MAX_QUERIES", "packed_row_bits", "paged_attention", "paged_attention_backend", "paged_kernel_fits",
+           "paged_quant_attention", "reference_paged_attention", "reference_paged_quant_attention", "visible_keys"]
 
 
 def paged_attention_backend() -> str:
@@ -41,16 +47,17 @@ def paged_kernel_fits(queries: int, k_dim: int, v_dim: int) -> bool:
             and v_dim % PAGED_HEAD_DIM_MULTIPLE == 0 and paged_attention_backend() != "reference")
 
 
-def _check(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
+def _check(q: mx.array, k_shape: tuple, v_shape: tuple, index: mx.array, lengths: mx.array,
            q_pos: mx.array, k_pos: mx.array, window: int) -> None:
-    if q.ndim != 4 or k_pool.ndim != 2 or v_pool.ndim != 2 or index.ndim != 3:
+    """k_shape / v_shape: the pool's (rows, D) and (rows, Dv) (quantized blocks: the dequantized rows')."""
+    if q.ndim != 4 or len(k_shape) != 2 or len(v_shape) != 2 or index.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, n_q, L, D], the pools [rows, D], index [B, n_kv, S]; got "
-                         f"{tuple(q.shape)}, {tuple(k_pool.shape)}, {tuple(v_pool.shape)}, {tuple(index.shape)}")
+                         f"{tuple(q.shape)}, {tuple(k_shape)}, {tuple(v_shape)}, {tuple(index.shape)}")
     B, n_q, L, D = q.shape
     _, n_kv, S = index.shape
-    if k_pool.shape[1] != D or k_pool.shape[0] != v_pool.shape[0] or index.shape[0] != B or n_q % n_kv:
-        raise ValueError(f"paged_attention: shapes do not agree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
-                         f"v_pool {tuple(v_pool.shape)}, index {tuple(index.shape)} (n_q a multiple of n_kv)")
+    if k_shape[1] != D or k_shape[0] != v_shape[0] or index.shape[0] != B or n_q % n_kv:
+        raise ValueError(f"paged_attention: shapes do not agree: q {tuple(q.shape)}, k_pool {tuple(k_shape)}, "
+                         f"v_pool {tuple(v_shape)}, index {tuple(index.shape)} (n_q a multiple of n_kv)")
     for name, a, shape in (("index", index, (B, n_kv, S)), ("lengths", lengths, (B,)), ("q_pos", q_pos, (B, L)),
                            ("k_pos", k_pos, (B, S))):
         if a.dtype != mx.int32 or tuple(a.shape) != shape:
@@ -72,22 +79,98 @@ def visible_keys(index: mx.array, lengths: mx.array, q_pos: mx.array, k_pos: mx.
     return seen[:, None, None] & in_pool[:, :, None, None, :]
 
 
-def reference_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array,
-                              lengths: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
-                              window: int = 0) -> mx.array:
-    """The pure-mx oracle of paged_attention: gather every request's rows (`mx.take`), then masked
-    softmax(scale * q k^T) v in float32. Same arguments and result as paged_attention."""
+def _gathered_attention(q: mx.array, k: mx.array, v: mx.array, index: mx.array, lengths: mx.array,
+                        q_pos: mx.array, k_pos: mx.array, rows: int, scale: float, window: int) -> mx.array:
+    """Masked softmax(scale * q k^T) v in float32 over gathered rows k [B * n_kv * S, D] and v [.., Dv]
+    (index's order): [B, n_q, L, Dv] in q's dtype."""
     B, n_q, L, D = q.shape
     _, n_kv, S = index.shape
-    rows = k_pool.shape[0]
-    flat = mx.clip(index, 0, rows - 1).reshape(-1)  # [B * n_kv * S]
-    k = mx.take(k_pool, flat, axis=0).reshape(B, n_kv, 1, S, D).astype(mx.float32)
-    v = mx.take(v_pool, flat, axis=0).reshape(B, n_kv, 1, S, -1).astype(mx.float32)
+    k = k.reshape(B, n_kv, 1, S, D).astype(mx.float32)
+    v = v.reshape(B, n_kv, 1, S, -1).astype(mx.float32)
     qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * scale  # [B, n_kv, n_rep, L, D]
     mask = visible_keys(index, lengths, q_pos, k_pos, rows, window)  # [B, n_kv, 1, L, S]
     scores = mx.where(mask, qg @ k.swapaxes(-1, -2), -float("inf"))  # [B, n_kv, n_rep, L, S]
     probs = mx.where(mask.any(axis=-1, keepdims=True), mx.softmax(scores, axis=-1, precise=True), 0.0)
     return (probs @ v).reshape(B, n_q, L, -1).astype(q.dtype)  # [B, n_q, L, Dv]
+
+
+def reference_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array,
+                              lengths: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
+                              window: int = 0) -> mx.array:
+    """The pure-mx oracle of paged_attention: gather every request's rows (`mx.take`), then masked
+    softmax(scale * q k^T) v in float32. Same arguments and result as paged_attention."""
+    rows = k_pool.shape[0]
+    flat = mx.clip(index, 0, rows - 1).reshape(-1)  # [B * n_kv * S]
+    return _gathered_attention(q, mx.take(k_pool, flat, axis=0), mx.take(v_pool, flat, axis=0), index, lengths,
+                               q_pos, k_pos, rows, scale, window)
+
+
+def packed_row_bits(packed: Sequence[mx.array], group_size: int) -> int:
+    """The bits of packed pool rows (codes [rows, dim * bits / 32] uint32, scales [rows, dim / group_size])."""
+    w, scales, _ = packed
+    return w.shape[-1] * 32 // (scales.shape[-1] * group_size)
+
+
+def reference_paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
+                                    index: mx.array, lengths: mx.array, q_pos: mx.array, k_pos: mx.array,
+                                    scale: float, group_size: int, window: int = 0) -> mx.array:
+    """The pure-mx oracle of paged_quant_attention: gather every request's packed rows (`mx.take` of codes,
+    scales and biases), dequantize them to float32 (mx.dequantize), then the float reference's masked
+    attention. Same arguments and result as paged_quant_attention."""
+    rows = keys[0].shape[0]
+    flat = mx.clip(index, 0, rows - 1).reshape(-1)  # [B * n_kv * S]
+
+    def rows_f32(packed):
+        w, s, b = (mx.take(a, flat, axis=0) for a in packed)
+        return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size,
+                             bits=packed_row_bits(packed, group_size))
+
+    return _gathered_attention(q, rows_f32(keys), rows_f32(values), index, lengths, q_pos, k_pos, rows, scale,
+                               window)
+
+
+def _check_packed(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], group_size: int) -> None:
+    for name, packed, dim in (("keys", keys, q.shape[-1] if q.ndim == 4 else None), ("values", values, None)):
+        if len(packed) != 3 or any(a.ndim != 2 for a in packed) or packed[0].dtype != mx.uint32:
+            raise ValueError(f"paged_quant_attention: {name} must be (codes uint32 [rows, dim * bits / 32], scales, "
+                             f"biases [rows, dim / group_size])")
+        w, s, b = packed
+        bits = packed_row_bits(packed, group_size)
+        if (s.shape != b.shape or s.shape[0] != w.shape[0] or bits not in (4, 8)
+                or w.shape[1] * 32 != bits * s.shape[1] * group_size or w.shape[0] != keys[0].shape[0]
+                or (dim is not None and s.shape[1] * group_size != dim)):
+            raise ValueError(f"paged_quant_attention: {name} codes {tuple(w.shape)}, scales {tuple(s.shape)}, biases "
+                             f"{tuple(b.shape)} do not agree (group_size {group_size}, bits 4 / 8, the queries' "
+                             f"head dim, the same rows as the keys)")
+
+
+def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], index: mx.array,
+                          lengths: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float, group_size: int,
+                          window: int = 0) -> mx.array:
+    """Attention of B requests' queries over their live tokens in a paged KV pool of quantized blocks, on
+    the best path here (the CPU kernel for L <= PAGED_MAX_QUERIES, else the reference).
+
+    Args:
+        q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
+        keys: one layer's keys of the pool (BlockPool.keys[layer]): (codes uint32 [rows, D * k_bits / 32],
+            scales, biases [rows, D / group_size] float16 / bfloat16 / float32), MLX's affine layout.
+        values: the same for V ([rows, Dv * v_bits / 32], ...; its own bits).
+        index, lengths, q_pos, k_pos, scale, window: as paged_attention.
+        group_size: values per scale / bias along head_dim (32, 64 or 128).
+
+    Returns:
+        [B, n_q, L, Dv] in q's dtype, accumulated in float32; zeros for a query that sees no key.
+
+    Raises:
+        ValueError: shapes or dtypes that do not agree, bits other than 4 / 8, or window < 0.
+    """
+    _check_packed(q, keys, values, group_size)
+    dim, v_dim = keys[1].shape[1] * group_size, values[1].shape[1] * group_size
+    if q.ndim == 4 and paged_kernel_fits(q.shape[2], dim, v_dim):
+        return cpu.cpu_paged_quant_attention(q, keys, values, index, lengths, q_pos, k_pos, scale, group_size,
+                                             window)  # checks
+    _check(q, (keys[0].shape[0], dim), (values[0].shape[0], v_dim), index, lengths, q_pos, k_pos, window)
+    return reference_paged_quant_attention(q, keys, values, index, lengths, q_pos, k_pos, scale, group_size, window)
 
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
@@ -115,6 +198,6 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
     """
     if q.ndim == 4 and v_pool.ndim == 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[1]):
         return cpu.cpu_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)  # checks
-    _check(q, k_pool, v_pool, index, lengths, q_pos, k_pos, window)
+    _check(q, tuple(k_pool.shape), tuple(v_pool.shape), index, lengths, q_pos, k_pos, window)
     return reference_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)
 

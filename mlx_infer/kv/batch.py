@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxInferError
-from ..kernels.paged_attention import paged_attention, paged_kernel_fits
+from ..kernels.paged_attention import paged_attention, paged_kernel_fits, paged_quant_attention
 from .pool import BlockPool
 from .sequence import PagedSequence
 
@@ -169,7 +169,8 @@ class BatchLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """Write the real tokens of keys [B, n_kv, L, k_dim] / values [B, n_kv, L, v_dim] and return every
-        request's live keys [B, n_kv, S, k_dim] and values [B, n_kv, S, v_dim], right-padded (see mask).
+        request's live keys [B, n_kv, S, k_dim] and values [B, n_kv, S, v_dim], right-padded (see mask); over
+        quantized blocks the new tokens are quantized when written and the live ones returned dequantized.
 
         Raises:
             MlxInferError: inputs of another shape than the step planned.
@@ -184,13 +185,12 @@ class BatchLayerCache:
         pool.write(self.layer, step.write_rows, k_new, v_new)
         for s, n in zip(step.sequences, step.lengths):
             s.advance(self.layer, n)
-        k = mx.take(pool.keys[self.layer], step.index, axis=0).reshape(B, n_kv, S, -1)
-        v = mx.take(pool.values[self.layer], step.index, axis=0).reshape(B, n_kv, S, -1)
-        return k, v
+        return pool.gather(self.layer, step.index, (B, n_kv, S))  # quantized blocks: dequantized
 
     def fused_attention(self, queries: mx.array, scale: float, mask) -> Optional[mx.array]:
         """Attention of queries [B, n_q, L, D] over every request's live tokens, read in place from the pool
-        on the paged-attention kernel: [B, n_q, L, Dv] in the queries' dtype. None when it does not apply
+        on the paged-attention kernel (quantized blocks: the packed rows dequantized in its tile scratch):
+        [B, n_q, L, Dv] in the queries' dtype. None when it does not apply
         (the step is not fused, L or the head dims the kernel does not take, no kernel here, or a mask
         this step did not build): the caller then attends over update_and_fetch's gathered K/V. A padding
         query (a left-padded column) that sees no key gets zeros, where the mask gives it its request's first
@@ -199,6 +199,9 @@ class BatchLayerCache:
         ours, window = step.window_of(mask)
         if not (step.fused and ours and fused_attention_applies(pool, queries.shape[2])):
             return None
+        if pool.quant is not None:  # the packed rows, dequantized tile by tile in the kernel
+            return paged_quant_attention(queries, pool.keys[self.layer], pool.values[self.layer],
+                                         *step.kernel_operands(), scale, pool.quant.group_size, window or 0)
         return paged_attention(queries, pool.keys[self.layer], pool.values[self.layer], *step.kernel_operands(),
                                scale, window or 0)  # [B, n_q, L, Dv]
 

@@ -6,6 +6,11 @@ Attention sees the live tokens in logical order (gathered from the pool through 
 nothing else: `offset` stays the logical position count, so RoPE keeps the original positions after
 eviction, while the keys the model attends to number only the live ones. Masks are built from the original
 positions (so sliding-window layers keep their window in positions, not in cached entries).
+
+Over a pool of quantized blocks `update_and_fetch` returns the dequantized K/V (lazily), and the attention
+hook calls `fused_attention`, which runs the kernel layer's quant_attention on the request's packed rows
+(a view when they are contiguous, else one gather of the packed planes): the path a dense QuantKVCache
+takes over the same packed rows, so the two give the same logits.
 """
 
 from typing import List, Optional, Tuple
@@ -15,7 +20,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import MlxInferError, UnsupportedModelError
+from ..kernels.attention import quant_attention
 from .pool import BlockPool
+from .quant_options import KVQuant
 from .sequence import PagedSequence
 
 
@@ -77,6 +84,22 @@ class PagedKVCache:
             mask = mask & (q < k + window_size)
         return mask
 
+    def fused_attention(self, queries: mx.array, scale: float, mask) -> Optional[mx.array]:
+        """Attention of queries [1, n_q, L, D] over the live tokens' packed K/V of a quantized pool, without
+        dequantizing them: [1, n_q, L, Dv] in the queries' dtype (quant_attention, causal over the last L
+        tokens: the new ones, written last). None when it does not apply: float blocks, or a mask other
+        than None for L == 1 / "causal" (a sliding window: the model then attends over update_and_fetch's
+        dequantized K/V)."""
+        quant = self.sequence.pool.quant
+        B, n_q, L, D = queries.shape
+        if quant is None or not ((isinstance(mask, str) and mask == "causal") or (mask is None and L == 1)):
+            return None
+        keys, values = self.sequence.live_packed(self.layer)  # Packed [n_kv, S, width] each
+        n_kv, S = keys[0].shape[:2]
+        q = queries.reshape(n_kv, (n_q // n_kv) * L, D)  # [n_kv, n_rep * L, D]: row r is position r % L
+        out = quant_attention(q, keys, values, S, scale, L, quant.group_size)  # [n_kv, n_rep * L, Dv]
+        return out.astype(queries.dtype).reshape(1, n_q, L, out.shape[-1])
+
     @property
     def state(self) -> Tuple[mx.array, mx.array]:
         """(keys [1, n_kv, S, k_dim], values [1, n_kv, S, v_dim]): the live tokens in logical order (a dense
@@ -121,7 +144,10 @@ def make_paged_cache(model: nn.Module, pool: BlockPool) -> List[PagedKVCache]:
     return [PagedKVCache(sequence, i) for i in range(len(dense))]
 
 
-def make_pool(model: nn.Module, **kwargs) -> BlockPool:
-    """A BlockPool with one K and V array per layer of `model`; kwargs as BlockPool (block_size,
-    budget_bytes, budget_blocks, initial_blocks)."""
-    return BlockPool(len(make_prompt_cache(model)), **kwargs)
+def make_pool(model: nn.Module, quant: Optional[KVQuant] = None, **kwargs) -> BlockPool:
+    """A BlockPool with one K and V array per layer of `model` (quant: quantized blocks, see BlockPool);
+    kwargs as BlockPool (block_size, budget_bytes, budget_blocks, initial_blocks).
+
+    Raises:
+        MlxInferError: as BlockPool (a quant the paged cache cannot hold: KIVI, a float prefix)."""
+    return BlockPool(len(make_prompt_cache(model)), quant=quant, **kwargs)

@@ -1,5 +1,7 @@
 """Named defaults of the paged KV cache (mlx_infer/defaults.py style)."""
 
+import mlx.core as mx
+
 #: Tokens per KV block (vLLM's and vToken's default, arXiv 2608.13263).
 BLOCK_SIZE = 16
 #: Blocks a fresh pool allocates on its first write; it grows geometrically up to its budget.
@@ -37,6 +39,8 @@ PREFIX_CACHE_BYTES = 512 << 20
 #: Quantized KV: values per scale / bias (along head_dim; KIVI keys: along tokens). 64 keeps 4-bit K/V
 #: with float16 scales and biases at 4.5 bits per value (0.28x float16).
 KV_GROUP_SIZE = 64
+#: Dtype of the scales and biases of quantized K/V (QuantKVCache and quantized pool blocks).
+KV_SCALE_DTYPE = mx.float16
 #: KIVI (arXiv 2402.02750): the most recent tokens kept in float (its paper: 32-128).
 KIVI_RESIDUAL = 64
 #: Token rows a quantized cache grows by (as mlx-lm's KVCache.step).

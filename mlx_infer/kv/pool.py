@@ -18,18 +18,32 @@ capacity starts at `initial_blocks`, grows geometrically up to the budget (one c
 when the highest used block falls below capacity / POOL_SHRINK_FACTOR (`shrink()`: one copy of the used
 prefix), so blocks freed by eviction and repacking give memory back to MLX (`mx.get_active_memory()`).
 Allocation hands out the lowest free ids first, which keeps the used blocks at the front.
+
+Quantized blocks (`quant`, a KVQuant of the affine scheme): each token row of K and V is stored packed in
+MLX's affine layout, quantized when written (`mx.quantize` of the row in float16, as QuantKVCache does): per
+layer and K / V three arrays with the same rows, codes uint32 [rows, dim * bits / 32] and float16 scales and
+biases [rows, dim / group_size] (groups along head_dim; K and V with their own bits). Every operation on rows
+(growth, shrinking, moves for repacking) treats a layer's arrays alike, its "planes": [K, V] for float
+blocks, [K codes, K scales, K biases, V codes, V scales, V biases] for quantized ones, so packed data and
+its scales always move together. `read` / `read_range` dequantize; attention reads the planes in place
+(kernels/paged_attention.py). KIVI (keys per channel, groups along tokens) does not fit token rows.
 """
 
 import heapq
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxInferError
-from .defaults import BLOCK_SIZE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
+from .defaults import BLOCK_SIZE, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
 from .errors import KVBudgetError
+from .quant_options import KVQuant, check_paged_quant
+
+#: One layer's quantized K or V: (codes uint32 [rows, dim * bits / 32], scales, biases float16
+#: [rows, dim / group_size]).
+Packed = Tuple[mx.array, mx.array, mx.array]
 
 
 class BlockPool:
@@ -41,13 +55,16 @@ class BlockPool:
         budget_bytes: most bytes the pool may hold over all layers (K and V), or None.
         budget_blocks: most blocks, or None; with neither the pool is unbounded.
         initial_blocks: capacity allocated at the first write.
+        quant: quantized blocks (a KVQuant of the affine scheme from the first token), or None for float.
 
     The layout (n_kv_heads, head dims, dtype) is fixed by `configure`, called by the first cache write
-    (PagedKVCache) or explicitly. Raises MlxInferError for a bad size or budget.
+    (PagedKVCache) or explicitly. Raises MlxInferError for a bad size or budget, or a quant the pool cannot
+    hold (KIVI, a float prefix: kv.quant_options.check_paged_quant).
     """
 
     def __init__(self, num_layers: int, block_size: int = BLOCK_SIZE, budget_bytes: Optional[int] = None,
-                 budget_blocks: Optional[int] = None, initial_blocks: int = POOL_INITIAL_BLOCKS):
+                 budget_blocks: Optional[int] = None, initial_blocks: int = POOL_INITIAL_BLOCKS,
+                 quant: Optional[KVQuant] = None):
         if num_layers < 1 or block_size < 1 or initial_blocks < 1:
             raise MlxInferError(
                 f"a block pool needs >= 1 layer, block size and initial block (got {num_layers}, {block_size}, "
@@ -55,14 +72,18 @@ class BlockPool:
         for name, v in (("budget_bytes", budget_bytes), ("budget_blocks", budget_blocks)):
             if v is not None and v <= 0:
                 raise MlxInferError(f"the KV {name} must be positive (got {v}); omit it for no limit")
+        if quant is not None:
+            check_paged_quant(quant)
         self.num_layers = num_layers
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self._budget_blocks = budget_blocks
         self.initial_blocks = initial_blocks
+        self.quant = quant
         self.layout: Optional[Tuple[int, int, int, mx.Dtype]] = None  # n_kv, k_dim, v_dim, dtype
-        self.keys: List[Optional[mx.array]] = [None] * num_layers  # [n_kv * capacity * block_size, k_dim]
-        self.values: List[Optional[mx.array]] = [None] * num_layers  # [n_kv * capacity * block_size, v_dim]
+        # per layer its planes, each [n_kv * capacity * block_size, width] (see plane_shapes); None before
+        # the first allocation
+        self.planes: List[Optional[List[mx.array]]] = [None] * num_layers
         self.capacity = 0  # blocks allocated in the arrays
         self.refcount: List[int] = []  # per block id; 0 = free
         self._free: List[int] = []  # min-heap of free ids below capacity
@@ -79,19 +100,42 @@ class BlockPool:
         """
         layout = (int(n_kv_heads), int(k_dim), int(v_dim), dtype)
         if self.layout is None:
+            if self.quant is not None:
+                g = self.quant.group_size
+                for name, dim in (("key", layout[1]), ("value", layout[2])):
+                    if dim % 32 or dim % g:
+                        raise MlxInferError(
+                            f"quantized KV needs a {name} head dim that is a multiple of 32 and of the group size "
+                            f"({g}); this model's is {dim}: try kv_group_size=32 or float KV")
             self.layout = layout
         elif self.layout != layout:
             raise MlxInferError(
                 f"this KV block pool holds (n_kv, k_dim, v_dim, dtype) = {self.layout}, a layer wrote {layout}: "
                 "use one pool per model")
 
+    def plane_shapes(self) -> List[Tuple[int, mx.Dtype]]:
+        """(width, dtype) of each plane of a layer, one row per (head, slot): float blocks [(k_dim, dtype),
+        (v_dim, dtype)]; quantized ones the codes, scales and biases of K, then of V."""
+        n_kv, kd, vd, dtype = self.layout
+        if self.quant is None:
+            return [(kd, dtype), (vd, dtype)]
+        g = self.quant.group_size
+        return [(kd * self.quant.k_bits // 32, mx.uint32), (kd // g, KV_SCALE_DTYPE), (kd // g, KV_SCALE_DTYPE),
+                (vd * self.quant.v_bits // 32, mx.uint32), (vd // g, KV_SCALE_DTYPE), (vd // g, KV_SCALE_DTYPE)]
+
     @property
-    def block_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V (0 before `configure`)."""
+    def token_bytes(self) -> int:
+        """Bytes one token slot holds in one layer, K and V over its heads (quantized: codes, scales and
+        biases); 0 before `configure`."""
         if self.layout is None:
             return 0
-        n_kv, kd, vd, dtype = self.layout
-        return self.num_layers * self.block_size * n_kv * (kd + vd) * dtype.size
+        return self.layout[0] * sum(w * dt.size for w, dt in self.plane_shapes())
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V (quantized: packed codes, scales and biases; 0
+        before `configure`)."""
+        return self.num_layers * self.block_size * self.token_bytes
 
     @property
     def layer_block_bytes(self) -> int:
@@ -124,7 +168,22 @@ class BlockPool:
     @property
     def nbytes(self) -> int:
         """Bytes the pool's arrays hold (capacity, used or not)."""
-        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> List[mx.array]:
+        """Every array of the pool (all layers' planes), e.g. to evaluate after writes."""
+        return [a for planes in self.planes if planes is not None for a in planes]
+
+    @property
+    def keys(self) -> List[Union[None, mx.array, Packed]]:
+        """Per layer its keys: float blocks [n_kv * rows, k_dim]; quantized ones the Packed (codes, scales,
+        biases) with the same rows (None before the first allocation). Row = head * rows + slot."""
+        return [None if p is None else (p[0] if self.quant is None else tuple(p[:3])) for p in self.planes]
+
+    @property
+    def values(self) -> List[Union[None, mx.array, Packed]]:
+        """Per layer its values, as `keys`."""
+        return [None if p is None else (p[1] if self.quant is None else tuple(p[3:])) for p in self.planes]
 
     # ---- allocation
 
@@ -210,21 +269,22 @@ class BlockPool:
     def _resize(self, new_cap: int) -> None:
         if self.layout is None:
             raise MlxInferError("the KV block pool has no layout yet: call configure() or write through a cache")
-        n_kv, kd, vd, dtype = self.layout
+        n_kv = self.layout[0]
         rows, old = new_cap * self.block_size, self.capacity * self.block_size
-        for arrays, d in ((self.keys, kd), (self.values, vd)):
-            for layer in range(self.num_layers):
-                a = arrays[layer]
-                if a is None:
-                    arrays[layer] = mx.zeros((n_kv * rows, d), dtype)
-                    continue
-                a = a.reshape(n_kv, old, d)
+        shapes = self.plane_shapes()
+        for layer in range(self.num_layers):
+            planes = self.planes[layer]
+            if planes is None:
+                self.planes[layer] = [mx.zeros((n_kv * rows, d), dt) for d, dt in shapes]
+                continue
+            for i, (d, dt) in enumerate(shapes):
+                a = planes[i].reshape(n_kv, old, d)
                 if rows > old:
-                    a = mx.concatenate([a, mx.zeros((n_kv, rows - old, d), dtype)], axis=1)
+                    a = mx.concatenate([a, mx.zeros((n_kv, rows - old, d), dt)], axis=1)
                 else:  # a copy, so that the larger buffer is released
                     a = mx.contiguous(a[:, :rows])
-                arrays[layer] = a.reshape(n_kv * rows, d)
-        mx.eval(self.keys + self.values)
+                planes[i] = a.reshape(n_kv * rows, d)
+        mx.eval(self.arrays())
         self.capacity = new_cap
 
     def shrink(self) -> bool:
@@ -251,32 +311,69 @@ class BlockPool:
 
     def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L]; keys [n_kv, L, k_dim], values
-        [n_kv, L, v_dim]."""
-        self.keys[layer][rows] = keys.reshape(-1, keys.shape[-1])
-        self.values[layer][rows] = values.reshape(-1, values.shape[-1])
+        [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks quantize each row first
+        (float16, then MLX's affine quantization: QuantKVCache's packing of the same row)."""
+        planes = self.planes[layer]
+        k, v = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [n_kv * L, D]
+        if self.quant is None:
+            new = [k, v]
+        else:
+            q = self.quant
+            new = [*mx.quantize(k.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.k_bits),
+                   *mx.quantize(v.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.v_bits)]
+        for a, x in zip(planes, new):
+            a[rows] = x
+
+    def dequantize(self, packed: Sequence[mx.array], bits: int) -> mx.array:
+        """Float rows [..., dim] in the pool's dtype of packed rows (codes [..., dim * bits / 32], scales,
+        biases [..., dim / group_size]), as QuantKVCache dequantizes its own."""
+        w, s, b = packed
+        dtype = self.layout[3]
+        return mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.quant.group_size, bits=bits)
+
+    def gather(self, layer: int, rows: mx.array, shape: Tuple[int, ...]) -> Tuple[mx.array, mx.array]:
+        """(keys shape + (k_dim,), values shape + (v_dim,)) of layer `layer` at pool rows int32 [N] (N =
+        prod(shape)): one mx.take per plane, quantized blocks dequantized to the pool's dtype."""
+        return self._as_kv(self.take(layer, rows), shape)
+
+    def _as_kv(self, planes: List[mx.array], shape) -> Tuple[mx.array, mx.array]:
+        """(keys, values) of a layer's planes taken on some rows (each [n_rows, width]), reshaped to `shape`
+        + (dim,): the float planes, or the quantized ones dequantized."""
+        if self.quant is None:
+            k, v = planes
+        else:
+            k, v = self.dequantize(planes[:3], self.quant.k_bits), self.dequantize(planes[3:], self.quant.v_bits)
+        return k.reshape(*shape, k.shape[-1]), v.reshape(*shape, v.shape[-1])
+
+    def take(self, layer: int, rows: mx.array) -> List[mx.array]:
+        """Layer `layer`'s planes at pool rows int32 [N]: each [N, width] (one mx.take per plane)."""
+        return [mx.take(a, rows, axis=0) for a in self.planes[layer]]
 
     def read(self, layer: int, rows: mx.array) -> Tuple[mx.array, mx.array]:
-        """(keys [n_kv, S, k_dim], values [n_kv, S, v_dim]) of `rows(slots)` (int32 [n_kv * S]), in that order."""
-        n_kv, kd, vd, _ = self.layout
-        k = mx.take(self.keys[layer], rows, axis=0).reshape(n_kv, -1, kd)
-        return k, mx.take(self.values[layer], rows, axis=0).reshape(n_kv, -1, vd)
+        """(keys [n_kv, S, k_dim], values [n_kv, S, v_dim]) of `rows(slots)` (int32 [n_kv * S]), in that order
+        (quantized blocks: dequantized to the pool's dtype)."""
+        return self.gather(layer, rows, (self.layout[0], -1))
+
+    def range_planes(self, layer: int, start: int, stop: int) -> List[mx.array]:
+        """Layer `layer`'s planes over the contiguous slots [start, stop) of every head: views
+        [n_kv, stop - start, width], no copy."""
+        n_kv, rows = self.layout[0], self.capacity * self.block_size
+        return [a.reshape(n_kv, rows, a.shape[-1])[:, start:stop] for a in self.planes[layer]]
 
     def read_range(self, layer: int, start: int, stop: int) -> Tuple[mx.array, mx.array]:
-        """(keys [n_kv, stop - start, k_dim], values) of the contiguous slots [start, stop): views, no copy."""
-        n_kv, kd, vd, _ = self.layout
-        rows = self.capacity * self.block_size
-        k = self.keys[layer].reshape(n_kv, rows, kd)[:, start:stop]
-        return k, self.values[layer].reshape(n_kv, rows, vd)[:, start:stop]
+        """(keys [n_kv, stop - start, k_dim], values) of the contiguous slots [start, stop): views, no copy
+        (quantized blocks: dequantized)."""
+        return self._as_kv(self.range_planes(layer, start, stop), (self.layout[0], -1))
 
     def move(self, src: np.ndarray, dst: np.ndarray, stream: Optional[mx.Stream] = None) -> List[mx.array]:
-        """Copy the K and V of slots src int [M] to slots dst int [M] in every layer (on `stream`); the reads
-        see the arrays before the move, so src and dst may overlap. Returns the new arrays (to eval)."""
+        """Copy the K and V of slots src int [M] to slots dst int [M] in every layer (on `stream`; quantized
+        blocks: codes, scales and biases alike); the reads see the arrays before the move, so src and dst
+        may overlap. Returns the new arrays (to eval)."""
         src, dst = self.rows(src), self.rows(dst)
         with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-            for arrays in (self.keys, self.values):
-                for layer in range(self.num_layers):
-                    a = arrays[layer]
-                    moved = mx.take(a, src, axis=0)  # [n_kv * M, D]
+            for planes in self.planes:
+                for i, a in enumerate(planes):
+                    moved = mx.take(a, src, axis=0)  # [n_kv * M, width]
                     a[dst] = moved
-                    arrays[layer] = a
-        return self.keys + self.values
+                    planes[i] = a
+        return self.arrays()

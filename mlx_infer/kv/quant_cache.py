@@ -18,11 +18,10 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask,
 
 from ..errors import MlxInferError
 from ..kernels.attention import channel_keys_attention, merge_attention, quant_attention
+from .cache import PagedKVCache
+from .defaults import KV_SCALE_DTYPE as SCALE_DTYPE
 from .defaults import QUANT_STEP
 from .quant_options import KVQuant
-
-#: Dtype of the scales and biases of quantized K/V.
-SCALE_DTYPE = mx.float16
 
 
 def _grow(a: Optional[mx.array], shape: Tuple[int, ...], axis: int, used: int, need: int,
@@ -299,13 +298,16 @@ class QuantKVCache:
 
 
 def kv_bytes_per_token(cache: list) -> float:
-    """KV bytes one token costs over a request's dense or quantized per-layer caches (packed tokens for a
-    QuantKVCache, the float dtype for mlx-lm's KVCache / RotatingKVCache); 0 for layers not written yet
-    and for other caches."""
+    """KV bytes one token costs over a request's dense, quantized or paged per-layer caches (packed tokens
+    for a QuantKVCache, the float dtype for mlx-lm's KVCache / RotatingKVCache, a token slot of the block
+    pool for a PagedKVCache: packed codes, scales and biases with quantized blocks); 0 for layers not
+    written yet and for other caches."""
     total = 0.0
     for c in cache:
         if isinstance(c, QuantKVCache):
             total += c.bytes_per_token()
+        elif isinstance(c, PagedKVCache):
+            total += c.sequence.pool.token_bytes
         elif isinstance(c, (KVCache, RotatingKVCache)) and c.keys is not None:
             k, v = c.keys, c.values  # [B, n_kv, S, D]
             total += k.shape[1] * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)

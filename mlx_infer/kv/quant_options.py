@@ -97,3 +97,20 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
     if residual % group:
         raise MlxInferError(f"kv_residual ({residual}) must be a multiple of kv_group_size ({group})")
     return KVQuant(bits[0], bits[1], scheme, group, start, residual)
+
+
+def check_paged_quant(quant: KVQuant) -> None:
+    """Whether the paged cache's blocks can hold `quant`: the affine scheme, quantized from the first token.
+
+    Raises:
+        MlxInferError: KIVI (its keys are quantized per channel along tokens, in groups of whole token
+            chunks, which do not fit rows of token blocks), or a float prefix (kv_quant_start > 0: a block
+            pool's rows are quantized when written).
+    """
+    if quant.scheme != "affine":
+        raise MlxInferError("kv_scheme='kivi' quantizes keys per channel along tokens, which does not fit the paged "
+                            "cache's token blocks: use kv_scheme='affine' with kv_cache='paged' (or KIVI with "
+                            "kv_cache='dense')")
+    if quant.start:
+        raise MlxInferError(f"kv_quant_start={quant.start} (a float prefix) needs the dense KV cache: the paged cache "
+                            "quantizes every token when it is written; drop kv_quant_start or use kv_cache='dense'")

@@ -103,6 +103,18 @@ class PagedSequence:
             k, v = self.pool.read(layer, self._index)
         return k[None], v[None]  # [1, n_kv, S, D]
 
+    def live_packed(self, layer: int) -> Tuple[List[mx.array], List[mx.array]]:
+        """A quantized pool's packed rows of the live tokens in logical order: (keys [codes, scales, biases],
+        values [...]), each [n_kv, S, width]; views of the pool when the slots are contiguous, else one
+        gather (`mx.take`) per plane."""
+        self._refresh()
+        if self._range is not None:
+            planes = self.pool.range_planes(layer, *self._range)
+        else:
+            n_kv = self.pool.layout[0]
+            planes = [a.reshape(n_kv, -1, a.shape[-1]) for a in self.pool.take(layer, self._index)]
+        return planes[:3], planes[3:]
+
     def live_positions(self) -> np.ndarray:
         """Original positions of the live tokens, ascending: int64 [S]."""
         self._refresh()

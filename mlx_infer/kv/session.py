@@ -26,6 +26,7 @@ from .observe import AttentionObserver, QueryTap
 from .options import EvictSpec
 from .policies import make_policy
 from .prefix import PrefixCache
+from .quant_options import KVQuant
 from .repack import Repacker
 
 
@@ -42,17 +43,27 @@ class PagedKV:
         model: the engine's mlx-lm model.
         budget_bytes: most bytes the pool may hold over all layers, K and V (None: no limit).
         block_size: tokens per block.
+        quant: quantized blocks (the affine scheme; kv.quant_options.check_paged_quant), None for float.
+
+    Raises:
+        MlxInferError: a quant the paged cache cannot hold (KIVI, a float prefix).
     """
 
-    def __init__(self, model: nn.Module, budget_bytes: Optional[int], block_size: int):
+    def __init__(self, model: nn.Module, budget_bytes: Optional[int], block_size: int,
+                 quant: Optional[KVQuant] = None):
         self.model = model
-        self.pool = make_pool(model, block_size=block_size, budget_bytes=budget_bytes)
+        self.pool = make_pool(model, quant, block_size=block_size, budget_bytes=budget_bytes)
         self.prefix = PrefixCache(self.pool)  # shared full blocks (batched requests: BatchScheduler)
         self.stream = mx.new_stream(mx.default_device())  # the repacker's copies (one per engine)
 
     @property
     def block_size(self) -> int:
         return self.pool.block_size
+
+    @property
+    def quant(self) -> Optional[KVQuant]:
+        """The pool's KV quantization (None: float blocks)."""
+        return self.pool.quant
 
     def new_cache(self) -> List[PagedKVCache]:
         """A fresh request's per-layer caches over the pool (mlx-lm's prompt_cache protocol)."""

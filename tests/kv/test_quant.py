@@ -210,11 +210,15 @@ def test_kept_cache_continues_a_chat(engine):
 
 
 def test_refusals(engine):
-    with pytest.raises(MlxInferError, match="dense KV cache"):
-        engine.configure_kv(kv_cache="paged", kv_bits="8")
-    engine.configure_kv(kv_bits="4")
+    """The paged cache's blocks hold the affine scheme from the first token: KIVI and a float prefix are one
+    MlxInferError line each (with the paged cache, and for batched decoding on a dense engine)."""
+    with pytest.raises(MlxInferError, match="kivi.*does not fit the paged cache's token blocks.*kv_scheme='affine'"):
+        engine.configure_kv(kv_cache="paged", kv_bits="4", kv_scheme="kivi")
+    with pytest.raises(MlxInferError, match="kv_quant_start=64 .*needs the dense KV cache"):
+        engine.configure_kv(kv_cache="paged", kv_bits="8", kv_quant_start=64)
+    engine.configure_kv(kv_bits="4", kv_scheme="kivi")
     try:
-        with pytest.raises(MlxInferError, match="batched decoding runs on float KV"):
+        with pytest.raises(MlxInferError, match="batched decoding runs on the paged KV pool: kv_scheme='kivi'"):
             engine.generate_batch(["Hi", "Yo"], max_batch=2)
     finally:
         engine.configure_kv()
