@@ -1,5 +1,6 @@
 """Flags shared by `generate`, `chat`, `bench` and `serve`, and the SamplingParams built from them."""
 
+import re
 from enum import Enum
 from typing import Annotated, List, Optional
 
@@ -10,7 +11,7 @@ from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kv.defaults import BLOCK_SIZE
 from mlx_infer.kv.options import KV_CACHES, check_block_size, check_kv_cache, parse_budget, parse_evict
-from mlx_infer.kv.quant_options import KV_SCHEMES, kv_quant
+from mlx_infer.kv.quant_options import KV_SCHEMES, check_paged_quant, kv_quant
 from mlx_infer.rmm.defaults import RMM_PRESETS
 from mlx_infer.rmm.options import PRODUCT_COMPONENTS, parse_rmm
 from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
@@ -96,7 +97,7 @@ BlockSizeOpt = Annotated[str, typer.Option(
 KVBitsOpt = Annotated[Optional[str], typer.Option(
     "--kv-bits", metavar="8|4|kXvY", rich_help_panel=KV,
     help="Quantize the KV cache: 8 or 4 bits, or K and V apart (k8v4); lossy (see docs/kv_quant.md for the measured "
-         "quality); dense cache, single requests. Default: float KV.")]
+         "quality); dense or paged cache (paged: quantized blocks, affine scheme), batched decoding too. Default: float KV.")]
 KVSchemeOpt = Annotated[str, typer.Option(
     "--kv-scheme", metavar="|".join(KV_SCHEMES), rich_help_panel=KV,
     help="With --kv-bits: affine (per token, groups along head_dim) or kivi (keys per channel, values per "
@@ -262,8 +263,12 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
             message = message.replace(name, "--" + name.replace("_", "-"))
         raise MlxInferError(message) from None
     if quant is not None and kind == "paged":
-        raise MlxInferError("--kv-bits needs the dense KV cache (quantized blocks in the paged cache are not "
-                            "supported yet): drop --kv-cache paged")
+        try:
+            check_paged_quant(quant)
+        except MlxInferError as e:  # the Python names as flags
+            message = re.sub(r"(kv_scheme|kv_cache|kv_quant_start)[=]'?([a-z0-9]+)'?",
+                             lambda m: f"--{m.group(1).replace('_', '-')} {m.group(2)}", str(e))
+            raise MlxInferError(message) from None
     request = {"evict": str(spec), "repack": value == "on"} if spec is not None else {}
     options = {"kv_cache": kind, "kv_budget": budget, "block_size": size}
     if quant is not None:

@@ -26,7 +26,11 @@ from cli_helpers import assert_user_error
     (["generate", "hi", "--kv-scheme", "kivi"], "give --kv-bits"),
     (["generate", "hi", "--kv-bits", "8", "--kv-quant-start", "\u00b2"], "--kv-quant-start must be an integer"),
     (["generate", "hi", "--kv-bits", "8", "--kv-quant-start", "x"], "--kv-quant-start must be an integer"),
-    (["chat", "--kv-bits", "8", "--kv-cache", "paged"], "--kv-bits needs the dense KV cache"),
+    (["chat", "--kv-bits", "4", "--kv-scheme", "kivi", "--kv-cache", "paged"],
+     "--kv-scheme kivi quantizes keys per channel along tokens, which does not fit the paged cache's token blocks: "
+     "use --kv-scheme affine with --kv-cache paged"),
+    (["generate", "hi", "--kv-bits", "8", "--kv-quant-start", "64", "--kv-cache", "paged"],
+     "--kv-quant-start 64 (a float prefix) needs the dense KV cache"),
 ])
 def test_bad_kv_flags_fail_before_loading(run_cli, args, message):
     assert_user_error(run_cli(*args, "-m", "/definitely/not/here.gguf"), message)
@@ -51,6 +55,16 @@ def test_dense_json_has_no_kv(run_cli):
 def test_over_budget_is_one_error_line(run_cli):
     proc = run_cli("generate", "Name three colors.", "-n", "200", "--kv-cache", "paged", "--kv-budget", "1MB")
     assert_user_error(proc, "KV budget")
+
+
+def test_paged_quantized_kv_json_and_stats(run_cli):
+    """generate --kv-cache paged --kv-bits 8: the pool's token slot is 30 layers x 3 KV heads x (64 + 64 bytes
+    of codes + 2 x 2 float16 scale / bias pairs), what the dense 8-bit cache reports too."""
+    proc = run_cli("generate", "Name three colors.", "-n", "8", "--kv-cache", "paged", "--kv-bits", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)["stats"]
+    assert stats["kv_bits"] == "8" and stats["kv_bytes_per_token"] == 30 * 3 * (64 + 64 + 2 * 2 * 2)
+    assert stats["kv"]["peak_kv_bytes"] == stats["kv"]["retained_blocks_max"] * 16 * 12240
 
 
 def test_quantized_kv_json_and_stats(run_cli):
