@@ -38,6 +38,7 @@ from common import interleaved, machine  # noqa: E402
 from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
 from mlx_infer.kv import BlockPool, PagedSequence, TokenTable, make_paged_cache, make_pool  # noqa: E402
 from mlx_infer.kv.attention_hook import install as install_attention_hook  # noqa: E402
+from mlx_infer.kv.quant_options import kv_quant  # noqa: E402
 from mlx_infer.kv.batch import BatchStep  # noqa: E402
 from mlx_infer.kv.cache import PagedKVCache  # noqa: E402
 from mlx_infer.kv.evict import EvictionController  # noqa: E402
@@ -191,39 +192,39 @@ def bench_batched(args, engine):
     model = engine.model
     install_attention_hook(model)
     rows = []
-    for context in (int(x) for x in args.contexts.split(",")):
-        for B in (int(x) for x in args.batches.split(",")):
-            pool = make_pool(model)
-            caches = []
-            for b in range(B):  # distinct wikitext windows, one per request
-                cache = make_paged_cache(model, pool)
-                mx.eval(model(mx.array(wikitext_ids(engine.tokenizer, context, skip_chars=9000 * b))[None],
-                              cache=cache))
-                caches.append(cache)
-            tokens = [[0] for _ in caches]
-            times = {k: [] for k in ["gather", "kernel"] + (["lone"] if B == 1 else [])}
-            for i in range(args.tokens * args.repeats + 2):
-                for name, ts in times.items():
-                    t0 = time.perf_counter()
-                    logits, step = decode_step(model, caches, tokens, name)
-                    sampled = mx.argmax(logits, axis=-1)  # [B]
-                    mx.eval(sampled)
-                    if step is not None:
-                        step.done()
-                    if i >= 2:  # the first two rounds warm up
-                        ts.append(time.perf_counter() - t0)
-                    tokens = [[t] for t in sampled.tolist()]
-            med = {k: statistics.median(v) for k, v in times.items()}
-            row = {"context": context, "batch": B, "steps_each": len(times["gather"]),
-                   "step_ms_median": {k: round(v * 1e3, 2) for k, v in med.items()},
-                   "decode_tps": {k: round(B / v, 1) for k, v in med.items()},
-                   "kernel_speedup": round(med["gather"] / med["kernel"], 3)}
-            if B == 1:
-                row["kernel_vs_lone"] = round(med["lone"] / med["kernel"], 3)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            for c in caches:
-                c[0].sequence.release()
+    for context, B, bits in ((int(c), int(b), k) for c in args.contexts.split(",") for b in args.batches.split(",")
+                             for k in args.kv_bits.split(",")):  # --kv-bits 8: quantized blocks
+        pool = make_pool(model, kv_quant(bits))
+        caches = []
+        for b in range(B):  # distinct wikitext windows, one per request
+            cache = make_paged_cache(model, pool)
+            mx.eval(model(mx.array(wikitext_ids(engine.tokenizer, context, skip_chars=9000 * b))[None],
+                          cache=cache))
+            caches.append(cache)
+        tokens = [[0] for _ in caches]
+        times = {k: [] for k in ["gather", "kernel"] + (["lone"] if B == 1 else [])}
+        for i in range(args.tokens * args.repeats + 2):
+            for name, ts in times.items():
+                t0 = time.perf_counter()
+                logits, step = decode_step(model, caches, tokens, name)
+                sampled = mx.argmax(logits, axis=-1)  # [B]
+                mx.eval(sampled)
+                if step is not None:
+                    step.done()
+                if i >= 2:  # the first two rounds warm up
+                    ts.append(time.perf_counter() - t0)
+                tokens = [[t] for t in sampled.tolist()]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {"context": context, "batch": B, "kv_bits": bits, "steps_each": len(times["gather"]),
+               "step_ms_median": {k: round(v * 1e3, 2) for k, v in med.items()},
+               "decode_tps": {k: round(B / v, 1) for k, v in med.items()},
+               "kernel_speedup": round(med["gather"] / med["kernel"], 3)}
+        if B == 1:
+            row["kernel_vs_lone"] = round(med["lone"] / med["kernel"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        for c in caches:
+            c[0].sequence.release()
     return {"backend": paged_attention_backend(), "kernels": engine.source.kernels, "weights": engine.source.weights,
             "tokens": args.tokens, "repeats": args.repeats, "rows": rows}
 
@@ -285,6 +286,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per run (--overhead, --observe, --batched)")
     ap.add_argument("--contexts", default="100,1500", help="wikitext tokens per request (--batched)")
     ap.add_argument("--batches", default="1,4,8", help="requests decoding together (--batched)")
+    ap.add_argument("--kv-bits", default="float", help="KV blocks, comma-separated: float, 8, 4, k8v4 (--batched)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--window", type=int, default=2048, help="wikitext tokens (--retained)")
     ap.add_argument("--skip", type=int, default=0, help="characters of wikitext skipped (--retained)")
