@@ -13,25 +13,23 @@
 namespace mlx_infer_kernels {
 namespace {
 
-// Fewest keys per split of a head's sequence (smaller splits cost more in merging than they balance).
-constexpr int kMinSplitTokens = 256;
-// Splits per thread over all heads (later ones balance a core that was busy).
-constexpr int kSplitsPerThread = 4;
+// Keys per split of a head's sequence. The splits start at fixed multiples of it, whatever the length, so a
+// query row's result does not depend on how many keys or rows the call has: a verify forward's rows equal
+// the decode steps' bit for bit (keys a row does not see add exact zeros; splits it sees none of are skipped).
+constexpr int kSplitTokens = 256;
+static_assert(kSplitTokens % kAttnTile == 0, "splits start on a tile");
 
 // Flash-decoding (arXiv 2307.08691) over H heads of R query rows: head h's keys [0, length(h)) are split
-// into ranges of whole tiles, spread with the other heads' over the pool's threads, attend(h, s0, s1,
-// partial, scratch) computes each range's partial, and the partials of a row are merged into
+// into ranges of kSplitTokens keys, spread with the other heads' over the pool's threads, attend(h, s0, s1,
+// partial, scratch) computes each range's partial, and the partials of a row are merged in order into
 // store(h, r, o, lse): o its Dv normalized outputs (zeros for a row that saw no key), lse the log of its
 // softmax denominator (-inf then). max_length bounds every length(h); scratch_floats per thread.
 template <class Length, class Attend, class Store>
 void flash_decode(int H, int R, int Dv, int max_length, size_t scratch_floats, Length length, Attend attend,
                   Store store) {
   ThreadPool& pool = ThreadPool::instance();
-  const int most = std::max(1, (max_length + kMinSplitTokens - 1) / kMinSplitTokens);
-  const int wanted = (kSplitsPerThread * pool.size() + H - 1) / H;
-  const int splits = std::max(1, std::min(most, wanted));
-  // Splits start on a tile, so that a tile of channel keys lies in one quantization group.
-  const int per = std::max(kAttnTile, ((max_length + splits - 1) / splits + kAttnTile - 1) / kAttnTile * kAttnTile);
+  const int per = kSplitTokens;
+  const int splits = std::max(1, (max_length + per - 1) / per);
   const int64_t row_floats = 2 + Dv;  // m, l, acc[Dv] of one row of one split
   std::vector<float> partials(size_t(H) * splits * R * row_floats);
   pool.parallel_for(H * splits, [&](int c) {

@@ -112,23 +112,24 @@ inline void score_rows(const float* q, const float* const* rows, int n, int D, f
   }
 }
 
-// acc[0:Dv] = alpha * acc + sum_j p[j] * rows[j][0:Dv] over j < n: four accumulators over j (four
-// independent FMA chains).
+// acc[0:Dv] = alpha * acc + sum_j p[j] * rows[j][0:Dv] over j < n: four accumulators, key j always in
+// accumulator j % 4 (four independent FMA chains; and a key's place in the sums does not depend on n, so a
+// tile holding keys a row does not see, p = 0, gives that row the same sums as the tile without them).
 template <class S>
 inline void fold_rows(float* acc, float alpha, const float* p, const float* const* rows, int n, int Dv) {
   using V = typename S::V;
   const V one = S::set1(1.0f);
   for (int d = 0; d < Dv; d += S::L) {
-    V o0 = S::fma(S::load(acc + d), S::set1(alpha), S::zero()), o1 = S::zero(), o2 = S::zero(), o3 = S::zero();
+    V o[4] = {S::fma(S::load(acc + d), S::set1(alpha), S::zero()), S::zero(), S::zero(), S::zero()};
     int j = 0;
     for (; j + 4 <= n; j += 4) {
-      o0 = S::fma(S::set1(p[j]), S::load(rows[j] + d), o0);
-      o1 = S::fma(S::set1(p[j + 1]), S::load(rows[j + 1] + d), o1);
-      o2 = S::fma(S::set1(p[j + 2]), S::load(rows[j + 2] + d), o2);
-      o3 = S::fma(S::set1(p[j + 3]), S::load(rows[j + 3] + d), o3);
+      o[0] = S::fma(S::set1(p[j]), S::load(rows[j] + d), o[0]);
+      o[1] = S::fma(S::set1(p[j + 1]), S::load(rows[j + 1] + d), o[1]);
+      o[2] = S::fma(S::set1(p[j + 2]), S::load(rows[j + 2] + d), o[2]);
+      o[3] = S::fma(S::set1(p[j + 3]), S::load(rows[j + 3] + d), o[3]);
     }
-    for (; j < n; ++j) o0 = S::fma(S::set1(p[j]), S::load(rows[j] + d), o0);
-    S::store(acc + d, S::fma(S::fma(o3, one, o2), one, S::fma(o1, one, o0)));
+    for (; j < n; ++j) o[j & 3] = S::fma(S::set1(p[j]), S::load(rows[j] + d), o[j & 3]);
+    S::store(acc + d, S::fma(S::fma(o[3], one, o[2]), one, S::fma(o[1], one, o[0])));
   }
 }
 

@@ -479,7 +479,7 @@ class Engine:
         prompt_ids = self.encode_fitting(list(prompt_ids))
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
-                            self.tokenizer.eos_token_ids, emit, options)
+                            self.tokenizer.eos_token_ids, emit, options, self.source.rmm)
 
     def _solo_tokens(self, req: BatchRequest) -> Optional[Iterator[int]]:
         """The speculative iterator of a batched request running alone (BatchScheduler `solo`): its cache

@@ -27,14 +27,17 @@ class BatchRequest:
             exception when the request failed (on the scheduler's thread).
         speculative: SpecOptions of speculative decoding while the request runs alone (None or mode "off":
             never); its SpecStats are in `spec`.
+        rmm: the model's RMM retention in canonical form (str(Retention)), reported in the stats; None when exact.
 
     With a seed, the request draws from its own MLX random key (mx.random.key(seed)), so its samples do not
     depend on what else is in the batch, and equal a single request's with the same seed.
     """
 
     def __init__(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
-                 detokenizer: StreamingDetokenizer, eos, emit: Emit, speculative: Optional[SpecOptions] = None):
+                 detokenizer: StreamingDetokenizer, eos, emit: Emit, speculative: Optional[SpecOptions] = None,
+                 rmm: Optional[str] = None):
         self.prompt_ids = list(prompt_ids)
+        self.rmm = rmm
         self.params = params
         self.max_tokens = max_tokens
         self.assembler = StepAssembler(detokenizer, params.stop, eos, max_tokens)
@@ -123,6 +126,7 @@ class BatchRequest:
             cached_prompt_tokens=self.cached_tokens,
             kv_bits=str(pool.quant) if pool is not None and pool.quant is not None else None,
             kv_bytes_per_token=float(pool.num_layers * pool.token_bytes) if pool is not None else 0.0,
+            rmm=self.rmm,
         )
         if self.spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = self.spec.mode or "off", self.spec.tau, self.spec.rounds

@@ -21,6 +21,7 @@ import mlx.core as mx
 from . import cpu
 from .gpu_attention import ATTN_GPU_MAX_ROWS, ATTN_HEAD_DIMS, cuda_quant_attention, metal_quant_attention
 from .gpu_qmm import cuda_available, metal_available
+from .prefill_attention import PREFILL_MIN_QUERIES, prefill_attention
 
 #: Most query rows per KV head the CPU kernel takes (n_rep * L: GQA group times verify width); more
 #: rows (prefill) run the reference in row chunks.
@@ -102,7 +103,9 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
         group_size: quantization group along head_dim (32, 64 or 128).
 
     Returns:
-        [n_kv, R, Dv] in q's dtype, accumulated in float32.
+        [n_kv, R, Dv] in q's dtype, accumulated in float32: the kernel for up to ATTN_MAX_ROWS rows (GPU:
+        ATTN_GPU_MAX_ROWS), on the CPU a prefill chunk (positions >= PREFILL_MIN_QUERIES) on the tiled
+        prefill attention over the dequantized K/V, else the reference.
 
     Raises:
         ValueError: shapes that do not agree, or bits / group sizes other than 4 / 8 and 32 / 64 / 128.
@@ -122,6 +125,12 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
             return run(q, keys, values, length, scale, positions, group_size)
     elif backend != "reference" and q.shape[1] <= ATTN_MAX_ROWS:
         return cpu.cpu_quant_attention(q, keys, values, length, scale, positions, group_size, k_bits, v_bits)
+    elif backend != "reference" and positions >= PREFILL_MIN_QUERIES:  # a prefill chunk: tiled, dequantized K/V
+        n_kv, R, _ = q.shape
+        k = _dequantize_f32(keys, length, group_size, k_bits)[None]  # [1, n_kv, S, D]
+        v = _dequantize_f32(values, length, group_size, v_bits)[None]  # [1, n_kv, S, Dv]
+        out = prefill_attention(q.reshape(1, R // positions * n_kv, positions, dim), k, v, scale)  # [1, n_q, P, Dv]
+        return out.reshape(n_kv, R, v.shape[-1])
     return reference_quant_attention(q, keys, values, length, scale, positions, group_size)
 
 

@@ -1,12 +1,16 @@
 """The one place mlx-infer reaches into mlx-lm's attention: model modules call
 `scaled_dot_product_attention(queries, keys, values, cache=..., scale=..., mask=...)`, a name each imports
 from mlx_lm.models.base. `install(model)` rebinds that name in the modules of the model's layers to
-`attention`, which hands a QuantKVCache layer (or a PagedKVCache over quantized blocks) to the fused kernel
-over its packed K/V, a batched step's
-layer (BatchLayerCache) to the paged-attention kernel over the block pool, a causal prefill chunk (at least PREFILL_MIN_QUERIES queries,
-on the CPU) to the tiled prefill attention of kernels/prefill_attention.py, and everything else (decode on
-other float caches, masks or shapes the kernels do not take, attention sinks) to mlx-lm's own function,
-unchanged.
+`attention`, which hands
+- a QuantKVCache layer, or a PagedKVCache layer, to its fused kernel (over the packed K/V, where prefill
+  chunks run the tiled prefill attention over the dequantized rows; over the pool);
+- another causal prefill chunk (at least PREFILL_MIN_QUERIES queries, on the CPU) to the tiled prefill
+  attention of kernels/prefill_attention.py;
+- a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool;
+- a decode or verify step over mlx-lm's dense KVCache to the paged kernel reading the cache's buffer in
+  place (kernels/dense_attention.py);
+- everything else (other caches, masks or shapes the kernels do not take, attention sinks) to mlx-lm's own
+  function, unchanged.
 Inside an RMM `reduced_products` scope (rmm/attention.py) it first reduces QK^T (the queries) and PV.
 Models whose modules do not use the name still run on a quantized cache through the float K/V it returns.
 """
@@ -16,7 +20,9 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
+from mlx_lm.models.cache import KVCache
 
+from ..kernels.dense_attention import dense_attention, dense_fits
 from ..kernels.prefill_attention import prefill_attention, prefill_fits
 from ..rmm.attention import active_products, pv_attention, reduce_queries
 from .batch import BatchLayerCache
@@ -25,9 +31,7 @@ from .quant_cache import QuantKVCache
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask, sinks=None) -> mx.array:
-    """mlx-lm's scaled_dot_product_attention, with the fused quantized-KV kernel for a QuantKVCache (and a
-    PagedKVCache over quantized blocks), the paged-attention kernel for a BatchLayerCache (whose keys / values are then left uncomputed), and the
-    tiled prefill attention for a causal chunk of at least PREFILL_MIN_QUERIES queries on the CPU.
+    """mlx-lm's scaled_dot_product_attention, on the kernels where they apply (see the module docstring).
     queries [B, n_q, L, D], keys / values [B, n_kv, S, D] -> [B, n_q, L, Dv]. In an RMM reduced_products
     scope, the queries are reduced over head_dim first (qk < 1), and PV runs reduced over tokens (pv < 1)."""
     products = active_products()
@@ -43,7 +47,19 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
             return out
     if sinks is None and prefill_fits(queries, keys, mask):
         return prefill_attention(queries, keys, values, scale)
+    if type(cache) is KVCache and sinks is None and _dense_decode(queries, keys, values, cache, mask):
+        return dense_attention(queries, cache.keys, cache.values, cache.offset, scale)
     return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _dense_decode(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCache, mask) -> bool:
+    """Whether a decode / verify step over mlx-lm's dense KVCache runs on dense_attention: the keys are its
+    buffer's first `offset` tokens (what update_and_fetch returned), the mask None (one query) or "causal",
+    and the kernel takes the shapes."""
+    L = queries.shape[2]
+    causal = (mask is None and L == 1) or (isinstance(mask, str) and mask == "causal")
+    return (causal and isinstance(cache.keys, mx.array) and keys.shape[2] == cache.offset
+            and dense_fits(L, keys.shape[3], values.shape[3]))
 
 
 def install(model: nn.Module) -> int:

@@ -10,7 +10,10 @@ positions (so sliding-window layers keep their window in positions, not in cache
 Over a pool of quantized blocks `update_and_fetch` returns the dequantized K/V (lazily), and the attention
 hook calls `fused_attention`, which runs the kernel layer's quant_attention on the request's packed rows
 (a view when they are contiguous, else one gather of the packed planes): the path a dense QuantKVCache
-takes over the same packed rows, so the two give the same logits.
+takes over the same packed rows, so the two give the same logits. Over float blocks, decode and verify
+steps (up to 16 queries, no sliding window) attend on the paged-attention kernel through the token table's
+rows, in place: the path a dense KVCache takes over its buffer (kernels/dense_attention.py), so the two give
+the same logits too.
 """
 
 from typing import List, Optional, Tuple
@@ -21,6 +24,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import MlxInferError, UnsupportedModelError
 from ..kernels.attention import quant_attention
+from ..kernels.dense_attention import dense_fits
+from ..kernels.paged_attention import paged_attention
 from .pool import BlockPool
 from .quant_options import KVQuant
 from .sequence import PagedSequence
@@ -90,15 +95,28 @@ class PagedKVCache:
         tokens: the new ones, written last). None when it does not apply: float blocks, or a mask other
         than None for L == 1 / "causal" (a sliding window: the model then attends over update_and_fetch's
         dequantized K/V)."""
-        quant = self.sequence.pool.quant
+        pool, quant = self.sequence.pool, self.sequence.pool.quant
         B, n_q, L, D = queries.shape
-        if quant is None or not ((isinstance(mask, str) and mask == "causal") or (mask is None and L == 1)):
+        if not ((isinstance(mask, str) and mask == "causal") or (mask is None and L == 1)):
             return None
+        if quant is None:
+            return self._float_attention(queries, scale) if dense_fits(L, D, pool.layout[2]) else None
         keys, values = self.sequence.live_packed(self.layer)  # Packed [n_kv, S, width] each
         n_kv, S = keys[0].shape[:2]
         q = queries.reshape(n_kv, (n_q // n_kv) * L, D)  # [n_kv, n_rep * L, D]: row r is position r % L
         out = quant_attention(q, keys, values, S, scale, L, quant.group_size)  # [n_kv, n_rep * L, Dv]
         return out.astype(queries.dtype).reshape(1, n_q, L, out.shape[-1])
+
+    def _float_attention(self, queries: mx.array, scale: float) -> mx.array:
+        """queries [1, n_q, L, D] (the last L live tokens' positions) -> [1, n_q, L, Dv] on the paged kernel,
+        reading the live rows in place through the token table (as dense_attention over a dense cache's
+        buffer: the same rows in the same order give the same result)."""
+        rows, positions = self.sequence.kernel_view()  # [1, n_kv, S], [1, S]
+        pool = self.sequence.pool
+        S = rows.shape[2]
+        q_pos = mx.arange(self.offset - queries.shape[2], self.offset, dtype=mx.int32)[None]  # [1, L]
+        return paged_attention(queries, pool.keys[self.layer], pool.values[self.layer], rows,
+                               mx.array([S], dtype=mx.int32), q_pos, positions, scale)
 
     @property
     def state(self) -> Tuple[mx.array, mx.array]:

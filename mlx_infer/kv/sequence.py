@@ -31,6 +31,8 @@ class PagedSequence:
         self._index: Optional[mx.array] = None  # int32 [n_kv * S] pool rows of the live slots, logical order
         self._range: Optional[Tuple[int, int]] = None  # (start, stop) when those slots are contiguous
         self._positions: Optional[np.ndarray] = None
+        self._kernel_version = (-1, -1)
+        self._kernel_view: Optional[Tuple[mx.array, mx.array]] = None  # (rows [1, n_kv, S], positions [1, S])
         self._write_key: Tuple[int, ...] = ()
         self._write_rows: Optional[mx.array] = None  # int32 [n_kv * L], the current forward's write rows
 
@@ -114,6 +116,17 @@ class PagedSequence:
             n_kv = self.pool.layout[0]
             planes = [a.reshape(n_kv, -1, a.shape[-1]) for a in self.pool.take(layer, self._index)]
         return planes[:3], planes[3:]
+
+    def kernel_view(self) -> Tuple[mx.array, mx.array]:
+        """The paged-attention kernel's view of the live tokens, built once per table version for all
+        layers: (pool rows int32 [1, n_kv, S] in logical order, original positions int32 [1, S])."""
+        self._refresh()
+        if self._kernel_version != self._index_version:
+            slots = self.table.slots(self._positions)
+            rows = self.pool.rows(slots).reshape(1, self.pool.layout[0], -1)  # [1, n_kv, S]
+            self._kernel_view = (rows, mx.array(self._positions.astype(np.int32))[None])
+            self._kernel_version = self._index_version
+        return self._kernel_view
 
     def live_positions(self) -> np.ndarray:
         """Original positions of the live tokens, ascending: int64 [S]."""

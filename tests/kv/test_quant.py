@@ -131,7 +131,9 @@ def test_trim_drops_the_last_tokens_and_keeps_the_rest(quant):
 def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, monkeypatch, arch, quant):
     """Prefill of 90 tokens, 4 decode steps and a verify forward of 4 tokens: logits with the fused kernel
     over the packed K/V (KIVI: its packed tokens merged with its float window) equal those of mlx-lm's
-    attention over the dequantized K/V the cache returns."""
+    attention over the dequantized K/V the cache returns, to float32 rounding: the prefill runs the tiled
+    prefill attention, as close to float64 as mlx-lm's (tests/kernels/test_cpu_prefill_attention.py), and
+    the two differ by up to 2.1e-5 of the largest logit through the tiny models' layers."""
     model = models64[arch]
     prompt = [(37 * i) % 250 + 3 for i in range(90)]
 
@@ -153,7 +155,7 @@ def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, mon
     module = __import__(type(model.layers[0].self_attn).__module__, fromlist=["_"])
     monkeypatch.setattr(module, "scaled_dot_product_attention", attention_hook.mlx_lm_attention)
     plain = run()
-    np.testing.assert_allclose(fused, plain, rtol=0, atol=2e-5 * np.abs(plain).max())
+    np.testing.assert_allclose(fused, plain, rtol=0, atol=5e-5 * np.abs(plain).max())
 
 
 def test_sliding_window_layers_keep_mlx_lm_caches(models64):

@@ -129,6 +129,14 @@ def test_engine_reports_and_runs_the_products(rmm_engine, default_engine_native)
         rmm_engine.generate_batch([prompt, prompt], max_tokens=4)
 
 
+def test_batched_requests_report_the_retention(default_gguf):
+    """Batched decoding (linear components only) reports the same canonical retention as a single request."""
+    engine = mlx_infer.load(weights="native", rmm="MLP=0.9")
+    results = engine.generate_batch(["Name a color.", "Name a fruit."], max_tokens=3)
+    assert [r.stats.rmm for r in results] == ["mlp=0.9", "mlp=0.9"]
+    assert engine.generate("Name a color.", max_tokens=3).stats.rmm == "mlp=0.9"
+
+
 def test_bad_rmm_fails_before_loading():
     with pytest.raises(MlxInferError, match="unknown component"):
         mlx_infer.load("/nonexistent/model.gguf", rmm="ffn=0.5")
