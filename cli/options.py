@@ -97,7 +97,8 @@ BlockSizeOpt = Annotated[str, typer.Option(
 KVBitsOpt = Annotated[Optional[str], typer.Option(
     "--kv-bits", metavar="8|4|kXvY", rich_help_panel=KV,
     help="Quantize the KV cache: 8 or 4 bits, or K and V apart (k8v4); lossy (see docs/kv_quant.md for the measured "
-         "quality); dense or paged cache (paged: quantized blocks, affine scheme), batched decoding too. Default: float KV.")]
+         "quality); dense or paged cache (paged: quantized blocks, affine scheme), batched decoding too. Default: float KV "
+         "(also what 16, float, off or none ask for).")]
 KVSchemeOpt = Annotated[str, typer.Option(
     "--kv-scheme", metavar="|".join(KV_SCHEMES), rich_help_panel=KV,
     help="With --kv-bits: affine (per token, groups along head_dim) or kivi (keys per channel, values per "

@@ -1,6 +1,7 @@
 """`mlx-infer serve`: the OpenAI-compatible HTTP server (mlx_infer/server) on uvicorn."""
 
 import ipaddress
+import socket
 from typing import Annotated, Optional
 
 import typer
@@ -64,6 +65,23 @@ def serve_spec(spec: str) -> dict:
     return spec_kwargs(mode, None, "auto")
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail with one line when (host, port) cannot be listened on (in use, not an address of this machine, a
+    privileged port), rather than after announcing the server. Raises MlxInferError naming --port / --host."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise MlxInferError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise MlxInferError(f"--port {port}: cannot listen on {host} ({e.strerror.lower()}); "
+                                "pick another --port") from None
+
+
 def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")] = HOST,
@@ -104,6 +122,7 @@ def serve(
         load_kw, _ = kv_kwargs("paged", kv_budget, None, "on", block_size, {}, kv_bits)  # quantized blocks with --kv-bits
         speculative = serve_spec(spec)
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm, "serve"))
+        check_port(host, port)  # before the measurements and the "serving" line
         engine.configure_kv(**load_kw)
         prepare_speculation(engine, speculative)  # the one-time measurements before the first request
         runner = engine.batch_runner(max_batch)

@@ -33,7 +33,7 @@ from ..errors import MlxInferError
 from ..generation.results import GenerationStep
 from ..kv.errors import KVBudgetError
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
-from .protocol import APIError, ParsedRequest, parse
+from .protocol import APIError, ParsedRequest, field_of, parse
 
 log = logging.getLogger("mlx_infer.server")
 
@@ -164,7 +164,7 @@ class Server:
         except KVBudgetError as e:
             raise APIError(400, str(e), "max_tokens") from None
         except MlxInferError as e:
-            raise APIError(503 if "closed" in str(e) else 400, str(e)) from None
+            raise APIError(503 if "closed" in str(e) else 400, str(e), field_of(str(e))) from None
         self.open[handle] = (loop, steps)
         return handle, steps
 

@@ -60,6 +60,13 @@ _ONLY = {"n": (1,), "logprobs": (False, None), "echo": (False, None), "tool_choi
 MAX_TEMPERATURE = 2.0
 
 
+def field_of(message: str) -> Optional[str]:
+    """The request field an engine error message starts with ("top_k must be ..." -> "top_k"), else None:
+    the `param` of its OpenAI error object."""
+    word = message.split(" ")[0]
+    return word if word in CHAT_FIELDS | COMPLETION_FIELDS else None
+
+
 def _same(a, b) -> bool:
     """JSON equality: 0 is not false, 1 is not true."""
     return type(a) is type(b) and a == b
@@ -175,5 +182,5 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
     try:
         params = SamplingParams(**kw)
     except MlxInferError as e:
-        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+        raise APIError(400, str(e), field_of(str(e))) from None
     return ParsedRequest(prompt, params, stream, bool(options.get("include_usage", False)))

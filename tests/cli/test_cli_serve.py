@@ -106,6 +106,20 @@ def test_serves_on_quantized_kv_blocks(default_gguf):
     assert proc.returncode == 0, proc.stderr_text
 
 
+def test_a_port_in_use_is_one_line_before_serving(default_gguf):
+    """A port another process listens on: one error line naming --port, exit 2, no "serving" line and no
+    uvicorn log."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([entry_point(), "serve", "--port", str(port), "--spec", "off"], env=cli_env(),
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --port {port}: cannot listen on 127.0.0.1")
+    assert "serving" not in proc.stderr and "Errno" not in proc.stderr
+
+
 def test_spec_draft_is_refused(run_cli):
     assert_user_error(run_cli("serve", "--spec", "draft"), "serve does not take")
     line = assert_user_error(run_cli("serve", "--spec", "fast"), "--spec must be one of")

@@ -218,6 +218,13 @@ def test_bad_token_ids(server, prompt, needle):
     assert httpx.get(url + "/health").status_code == 200  # still serving
 
 
+def test_top_k_past_the_vocabulary_names_its_field(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "top_k": 10_000_000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    assert "vocabulary size" in r.json()["error"]["message"]
+
+
 def test_completions_logprobs_zero_is_refused(server):
     url, _ = server
     r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logprobs": 0}, timeout=60)
