@@ -47,16 +47,23 @@ ThreadPool::ThreadPool(int threads) {
   }
 }
 
+// The job state word: (epoch << 32) | (chunks << 16) | next unclaimed chunk. The chunk count lives in the
+// word a worker claims against, so a worker whose view is of a finished job (next == chunks) never takes
+// the count of the job being published: it claims only against a state with unclaimed chunks of its own.
+constexpr uint64_t kNextBits = 16;
+constexpr uint64_t kFieldMask = (uint64_t(1) << kNextBits) - 1;
+
 void ThreadPool::work() {
   uint64_t s = state_.load(std::memory_order_acquire);
   for (;;) {
-    // Read the job before claiming: while a chunk is unclaimed the job cannot end, and a successful
-    // claim proves the state did not move in between, so these are the claimed job's fields.
-    const int chunks = chunks_.load(std::memory_order_relaxed);
+    const int chunk = int(s & kFieldMask);
+    const int chunks = int((s >> kNextBits) & kFieldMask);
+    if (chunk >= chunks) return;
+    // While a chunk of this state's job is unclaimed the job cannot end (its caller waits for every
+    // chunk) and its fields cannot change; a successful claim proves the state did not move since s was
+    // read, so the fields read here are the claimed job's.
     const Call call = call_.load(std::memory_order_relaxed);
     void* body = body_.load(std::memory_order_relaxed);
-    const int chunk = int(uint32_t(s));
-    if (chunk >= chunks) return;
     if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
       call(body, chunk);
       done_.fetch_add(1, std::memory_order_release);
@@ -67,18 +74,17 @@ void ThreadPool::work() {
 
 void ThreadPool::run(int chunks, Call call, void* body) {
   std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-  if (!lock.owns_lock() || workers_.empty() || chunks <= 1) {
+  if (!lock.owns_lock() || workers_.empty() || chunks <= 1 || uint64_t(chunks) > kFieldMask) {
     for (int c = 0; c < chunks; ++c) call(body, c);
     return;
   }
-  // The previous job is complete (we waited for it), so nobody reads the fields while they change:
-  // a worker claims only against a state with unclaimed chunks.
-  chunks_.store(chunks, std::memory_order_relaxed);
+  // The previous job is complete (we waited for it): no worker holds a claim on it, and a worker that
+  // still reads its exhausted state claims nothing (work()).
   call_.store(call, std::memory_order_relaxed);
   body_.store(body, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   const uint64_t epoch = (state_.load(std::memory_order_relaxed) >> 32) + 1;
-  state_.store(epoch << 32, std::memory_order_release);
+  state_.store((epoch << 32) | (uint64_t(chunks) << kNextBits), std::memory_order_release);
   wake_.fetch_add(1, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) > 0) {  // seq_cst pairs with worker_loop's check
     std::lock_guard<std::mutex> guard(sleep_mutex_);

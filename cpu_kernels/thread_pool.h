@@ -40,15 +40,14 @@ class ThreadPool {
 
   explicit ThreadPool(int threads);
   void run(int chunks, Call call, void* body);
-  // Claims and runs chunks of the job published as state_ (epoch << 32 | next chunk) until none is
+  // Claims and runs chunks of the job published as state_ (epoch, chunks, next chunk) until none is
   // left or a newer job replaced it.
   void work();
   void worker_loop();
 
   std::vector<std::thread> workers_;
   std::mutex busy_;                       // one parallel_for at a time
-  std::atomic<uint64_t> state_{0};        // (job epoch << 32) | next unclaimed chunk
-  std::atomic<int> chunks_{0};            // the current job, valid while it has unclaimed chunks
+  std::atomic<uint64_t> state_{0};        // (job epoch << 32) | (chunks << 16) | next unclaimed chunk
   std::atomic<Call> call_{nullptr};
   std::atomic<void*> body_{nullptr};
   std::atomic<int> done_{0};              // chunks of the current job completed

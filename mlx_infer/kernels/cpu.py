@@ -215,6 +215,9 @@ def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
                   f"cached in {out})", file=sys.stderr, flush=True)
         log_path = out / "build.log"
         work = out / "build"
+        # A fresh build tree: one configured from another checkout or venv (the cache is per MLX and
+        # Python version, not per install) makes CMake refuse the source directory.
+        shutil.rmtree(work, ignore_errors=True)
         try:
             with open(log_path, "w") as log:
                 generator = ["-G", "Ninja"] if shutil.which("make") is None else []
