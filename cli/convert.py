@@ -26,6 +26,6 @@ def convert(
     half-written if it fails.
     """
     with user_errors(verbose):
-        with ProgressBar("converting", always=verbose, activity=f"converting {gguf_file.name}") as bar:
+        with ProgressBar("converting", always=verbose, activity=f"converting {gguf_file.name}", note="") as bar:
             convert_gguf(gguf_file, out_dir, progress=bar)
         stderr.print(f"wrote {out_dir}")

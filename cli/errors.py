@@ -31,6 +31,15 @@ USER_ERRORS = (MlxInferError, OSError)
 CLI_EXITS = (typer.Exit, typer.Abort, click_exceptions.ClickException)
 
 
+def as_flag(error: MlxInferError, name: str) -> MlxInferError:
+    """The library's error about its keyword argument `name` ('rmm ...', 'rmm: ...') as the command line's
+    about the flag ('--rmm ...'); other errors unchanged."""
+    text = str(error)
+    if text.startswith((name + " ", name + ":")):
+        return MlxInferError("--" + name.replace("_", "-") + text[len(name):])
+    return error
+
+
 def one_line(error: BaseException) -> str:
     """The error's message on a single line."""
     text = " ".join(str(error).split())

@@ -16,6 +16,8 @@ from mlx_infer.rmm.defaults import RMM_PRESETS
 from mlx_infer.rmm.options import PRODUCT_COMPONENTS, parse_rmm
 from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
+from .errors import as_flag
+
 SAMPLING = "Sampling"
 MODEL = "Model"
 SPEC = "Speculative decoding"
@@ -125,7 +127,10 @@ def check_rmm(rmm: Optional[str], batched: Optional[str] = None, instead: str = 
     """The --rmm value, checked before the model loads (raises MlxInferError with the one-line reason).
     batched: the command that decodes batched ("serve"), which reduces no attention product (qk, pv): their
     items are refused, pointing at `instead`."""
-    retention = parse_rmm(rmm)
+    try:
+        retention = parse_rmm(rmm)
+    except MlxInferError as e:
+        raise as_flag(e, "rmm") from e
     if batched and retention is not None and any(v < 1.0 for v in retention.products().values()):
         raise MlxInferError(f"--rmm {rmm.strip()!r}: {batched} decodes batched; {'/'.join(PRODUCT_COMPONENTS)} "
                             f"reduction runs only for single requests: use {instead}, or only linear components "

@@ -9,6 +9,9 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 import mlx_infer
 from mlx_infer.defaults import PREFILL_PROGRESS_TOKENS
+from mlx_infer.errors import MlxInferError
+
+from .errors import as_flag
 
 #: All human-facing chatter goes to stderr; stdout carries only the answer (or JSON).
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -21,12 +24,13 @@ class ProgressBar:
     is open; conversion steps (total > 0) add a bar under it; total == 0 means `desc` is a status
     message, printed as a line. When stderr is not a terminal no bar is drawn unless `always`
     (--verbose); status messages and the start of a conversion still get one plain line each.
-    Use as a context manager.
+    `note` follows that first line (a cached conversion's; "" for none). Use as a context manager.
     """
 
     def __init__(self, label: str = "converting", console: Console = stderr, always: bool = False,
-                 activity: Optional[str] = None):
+                 activity: Optional[str] = None, note: str = "first run only; the result is cached"):
         self.label = label
+        self.note = note
         self.console = console
         self.enabled = always or console.is_terminal
         self.activity = activity if console.is_terminal else None
@@ -54,7 +58,7 @@ class ProgressBar:
             if total <= 0:
                 self.console.print(desc, markup=False)
             elif done == 1:
-                self.console.print(f"{self.label}: {total} tensors (first run only; the result is cached)",
+                self.console.print(f"{self.label}: {total} tensors" + (f" ({self.note})" if self.note else ""),
                                    markup=False)
             return
         if total <= 0:
@@ -90,7 +94,10 @@ def load_engine(model: Optional[str], weights: str, verbose: bool = False, rmm: 
     """`mlx_infer.load` with a progress bar (rmm: its RMM retention); says what was loaded on stderr when
     verbose."""
     with ProgressBar("converting", always=verbose, activity=f"loading {model or 'the default model'}") as bar:
-        engine = mlx_infer.load(model, weights=weights, progress=bar, rmm=rmm)
+        try:
+            engine = mlx_infer.load(model, weights=weights, progress=bar, rmm=rmm)
+        except MlxInferError as e:  # a layer range past this model's layers
+            raise as_flag(e, "rmm") from e
     if verbose:
         src = engine.source
         stderr.print(f"[dim]model {src.name} ({src.kind}) from {src.path}; MLX dir {src.mlx_dir}; "

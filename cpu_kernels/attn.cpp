@@ -109,13 +109,9 @@ std::vector<mx::array> quant_attention(
     bool channel_keys,
     mx::StreamOrDevice s) {
   for (int bits : {k_bits, v_bits}) {
-    if (bits != 4 && bits != 8) {
-      throw std::invalid_argument("[quant_attention] bits must be 4 or 8, got " + std::to_string(bits));
-    }
+    check_bits(bits, "quant_attention");
   }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("[quant_attention] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  }
+  check_group_size(group_size, "quant_attention");
   int D, C;
   if (channel_keys) {
     if (k.ndim() != 3 || k.dtype() != mx::uint32) {
@@ -328,9 +324,7 @@ mx::array paged_quant_attention(
     int window,
     mx::StreamOrDevice s) {
   check_paged_q(q);
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("[paged_attention] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  }
+  check_group_size(group_size, "paged_attention");
   int bits[2], dims[2];
   const mx::array* packed[2][3] = {{&k, &k_scales, &k_biases}, {&v, &v_scales, &v_biases}};
   for (int i = 0; i < 2; ++i) {
@@ -346,9 +340,7 @@ mx::array paged_quant_attention(
     to_kernel_dtype(sc.dtype(), (name + "_scales").c_str());
     dims[i] = sc.shape(1) * group_size;
     bits[i] = w.shape(1) * 32 / dims[i];
-    if (bits[i] != 4 && bits[i] != 8) {
-      throw std::invalid_argument("[paged_attention] " + name + " bits must be 4 or 8, got " + std::to_string(bits[i]));
-    }
+    check_bits(bits[i], "paged_attention", name + " ");
     if (dims[i] % 32 != 0) {
       throw std::invalid_argument("[paged_attention] quantized head dim " + std::to_string(dims[i]) +
                                   " must be a multiple of 32");

@@ -25,6 +25,11 @@ float* thread_scratch(size_t n);
 Dtype to_kernel_dtype(mx::Dtype t, const char* what);
 // "[d0, d1, ...]".
 std::string shape_str(const mx::array& a);
+
+// Throw std::invalid_argument "[op] <what>bits must be 4 or 8, got N" / "[op] group_size must be 32, 64 or
+// 128, got N" for a bit width / group size the kernels do not take (what: "" or e.g. "k ").
+void check_bits(int bits, const std::string& op, const std::string& what = "");
+void check_group_size(int group_size, const std::string& op);
 // `a`, or a row-contiguous copy of it when it may not be when the kernel runs.
 mx::array row_contiguous(const mx::array& a, mx::Stream s);
 // The CPU stream of `s`; throws std::invalid_argument for a GPU stream.

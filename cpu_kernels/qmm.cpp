@@ -87,15 +87,23 @@ void require_row_contiguous(const mx::array& a, const char* what) {
   }
 }
 
+void check_bits(int bits, const std::string& op, const std::string& what) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("[" + op + "] " + what + "bits must be 4 or 8, got " + std::to_string(bits));
+  }
+}
+
+void check_group_size(int group_size, const std::string& op) {
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("[" + op + "] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+}
+
 // Checks the weight operands; returns N and K.
 std::pair<int, int> check_weights(
     const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument("[qmm] bits must be 4 or 8, got " + std::to_string(bits));
-  }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("[qmm] group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  }
+  check_bits(bits, "qmm");
+  check_group_size(group_size, "qmm");
   if (w.ndim() != 2 || w.dtype() != mx::uint32) {
     throw std::invalid_argument("[qmm] w must be a 2-D uint32 array, got " + shape_str(w));
   }

@@ -40,7 +40,7 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
         rmm: reduced matrix multiplication (arXiv 2608.13426; lossy): retention ratios per component,
             e.g. "attn=0.5,mlp=0.9,qk=0.75" or a preset (see mlx_infer.rmm.options), or a parsed Retention;
             None: exact. The stats report it in its canonical form (str(Retention)).
-        kv_quant: kv_bits, kv_scheme, kv_quant_start, kv_group_size: quantized KV (see Engine.configure_kv).
+        kv_quant: kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual, kv_rotate: quantized KV (see Engine.configure_kv).
 
     Raises:
         MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF, a bad rmm (not a

@@ -95,8 +95,9 @@ class Engine:
     blocks, affine scheme from the first token only): kv_bits (8, 4 or
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
     keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
-    kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64). Attention then reads the packed K/V through the kernel
-    layer's fused quant_attention.
+    kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64), kv_rotate (affine: each
+    group of K/V values Hadamard-rotated before quantizing, on by default: kv/rotation.py). Attention then
+    reads the packed K/V through the kernel layer's fused quant_attention.
 
     RMM (`mlx_infer.load(rmm=...)`, arXiv 2608.13426; lossy): the model's linear layers were reduced when it
     was loaded; the attention products (qk, pv) are reduced inside each single request (batched decoding
@@ -134,7 +135,7 @@ class Engine:
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
                      kv_quant_start: int = 0, kv_group_size: int = KV_GROUP_SIZE,
-                     kv_residual: int = KIVI_RESIDUAL) -> None:
+                     kv_residual: int = KIVI_RESIDUAL, kv_rotate: Optional[bool] = None) -> None:
         """Choose the KV cache of the next requests (see the class docstring); drops the kept cache.
 
         Raises:
@@ -144,7 +145,7 @@ class Engine:
                 cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant).
         """
         kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
-        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual)
+        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual, kv_rotate)
         if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
         if kind == "paged" and quant is not None:

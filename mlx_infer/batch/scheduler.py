@@ -88,7 +88,7 @@ class BatchScheduler:
         if most is not None and need > most:
             raise KVBudgetError(
                 f"the request needs {need} KV blocks of {self.kv.block_size} tokens ({len(req.prompt_ids)} prompt + "
-                f"{req.max_tokens} new) but the KV budget of {self.kv.pool.budget_bytes / 2**20:.1f} MiB holds "
+                f"{req.max_tokens} new) but the KV budget of {self.kv.pool.budget_text()} holds "
                 f"{most}: raise kv_budget or lower max_tokens")
 
     def add(self, req: BatchRequest) -> None:

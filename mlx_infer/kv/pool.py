@@ -20,7 +20,8 @@ prefix), so blocks freed by eviction and repacking give memory back to MLX (`mx.
 Allocation hands out the lowest free ids first, which keeps the used blocks at the front.
 
 Quantized blocks (`quant`, a KVQuant of the affine scheme): each token row of K and V is stored packed in
-MLX's affine layout, quantized when written (`mx.quantize` of the row in float16, as QuantKVCache does): per
+MLX's affine layout, quantized when written (`mx.quantize` of the row in float16, after the Hadamard rotation
+of kv/rotation.py unless quant.rotate is off, as QuantKVCache does): per
 layer and K / V three arrays with the same rows, codes uint32 [rows, dim * bits / 32] and float16 scales and
 biases [rows, dim / group_size] (groups along head_dim; K and V with their own bits). Every operation on rows
 (growth, shrinking, moves for repacking) treats a layer's arrays alike, its "planes": [K, V] for float
@@ -40,10 +41,20 @@ from ..errors import MlxInferError
 from .defaults import BLOCK_SIZE, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
 from .errors import KVBudgetError
 from .quant_options import KVQuant, check_paged_quant
+from .rotation import change_basis
 
 #: One layer's quantized K or V: (codes uint32 [rows, dim * bits / 32], scales, biases float16
 #: [rows, dim / group_size]).
 Packed = Tuple[mx.array, mx.array, mx.array]
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes as people read them: '512 B', '4.0 KiB', '1.4 MiB', '2.00 GiB'."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    for unit, shift, digits in (("KiB", 10, 1), ("MiB", 20, 1), ("GiB", 30, 2)):
+        if nbytes < 1 << (shift + 10) or unit == "GiB":
+            return f"{nbytes / (1 << shift):.{digits}f} {unit}"
 
 
 class BlockPool:
@@ -141,6 +152,15 @@ class BlockPool:
     def layer_block_bytes(self) -> int:
         """Bytes of one block of one layer, K and V."""
         return self.block_bytes // self.num_layers
+
+    def budget_text(self) -> str:
+        """The budget for messages: '256.0 MiB' and, when it cannot hold one block, how much one takes
+        (after `configure`)."""
+        text = size_text(self.budget_bytes) if self.budget_bytes is not None else "no limit"
+        if self.budget_bytes is not None and self.layout is not None and self.budget_bytes < self.block_bytes:
+            text += (f" (smaller than one block of {self.block_size} tokens, which takes "
+                     f"{size_text(self.block_bytes)} with this model)")
+        return text
 
     @property
     def max_blocks(self) -> Optional[int]:
@@ -312,13 +332,15 @@ class BlockPool:
     def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L]; keys [n_kv, L, k_dim], values
         [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks quantize each row first
-        (float16, then MLX's affine quantization: QuantKVCache's packing of the same row)."""
+        (Hadamard-rotated when quant.rotate, float16, then MLX's affine quantization: QuantKVCache's packing
+        of the same row)."""
         planes = self.planes[layer]
         k, v = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [n_kv * L, D]
         if self.quant is None:
             new = [k, v]
         else:
             q = self.quant
+            k, v = change_basis(k, q), change_basis(v, q)
             new = [*mx.quantize(k.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.k_bits),
                    *mx.quantize(v.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.v_bits)]
         for a, x in zip(planes, new):
@@ -326,10 +348,11 @@ class BlockPool:
 
     def dequantize(self, packed: Sequence[mx.array], bits: int) -> mx.array:
         """Float rows [..., dim] in the pool's dtype of packed rows (codes [..., dim * bits / 32], scales,
-        biases [..., dim / group_size]), as QuantKVCache dequantizes its own."""
+        biases [..., dim / group_size]), rotated back when quant.rotate, as QuantKVCache dequantizes its own."""
         w, s, b = packed
         dtype = self.layout[3]
-        return mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.quant.group_size, bits=bits)
+        return change_basis(mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.quant.group_size,
+                                          bits=bits), self.quant)
 
     def gather(self, layer: int, rows: mx.array, shape: Tuple[int, ...]) -> Tuple[mx.array, mx.array]:
         """(keys shape + (k_dim,), values shape + (v_dim,)) of layer `layer` at pool rows int32 [N] (N =

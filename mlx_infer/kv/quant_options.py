@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..errors import MlxInferError
-from .defaults import KIVI_RESIDUAL, KV_GROUP_SIZE
+from .defaults import KIVI_RESIDUAL, KV_GROUP_SIZE, KV_ROTATE
 
 #: KV quantization schemes: "affine" (K and V per token, groups along head_dim, as mlx-lm's
 #: QuantizedKVCache) and "kivi" (arXiv 2402.02750: K per channel, groups along tokens; V per token; the
@@ -32,6 +32,8 @@ class KVQuant:
         start: tokens kept in float before quantization begins (0: from the first token); at the
             threshold the float context is quantized in place.
         residual: KIVI's float window of the most recent tokens (0 for affine).
+        rotate: affine only: each group of K/V values is Hadamard-rotated before quantizing, and attention
+            runs in the rotated basis (kv/rotation.py); False: MLX's plain affine codes, as mlx-lm stores.
     """
 
     k_bits: int
@@ -40,10 +42,13 @@ class KVQuant:
     group_size: int = KV_GROUP_SIZE
     start: int = 0
     residual: int = 0
+    rotate: bool = False
 
     def __str__(self) -> str:
         bits = str(self.k_bits) if self.k_bits == self.v_bits else f"k{self.k_bits}v{self.v_bits}"
-        return bits if self.scheme == "affine" else f"kivi-{bits}"
+        if self.scheme == "kivi":
+            return f"kivi-{bits}"
+        return bits if self.rotate else f"{bits}-norot"
 
 
 def parse_kv_bits(kv_bits: Union[None, int, str]):
@@ -72,13 +77,15 @@ def _nonnegative_int(value, name: str) -> int:
 
 def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant_start: Union[int, str] = 0,
              kv_group_size: Union[int, str] = KV_GROUP_SIZE,
-             kv_residual: Union[int, str] = KIVI_RESIDUAL) -> Optional[KVQuant]:
-    """The KVQuant of these options, or None for a float cache (kv_bits None).
+             kv_residual: Union[int, str] = KIVI_RESIDUAL,
+             kv_rotate: Optional[bool] = None) -> Optional[KVQuant]:
+    """The KVQuant of these options, or None for a float cache (kv_bits None). kv_rotate: the Hadamard
+    rotation of affine K/V (None: the scheme's default, KV_ROTATE for affine, off for KIVI).
 
     Raises:
         MlxInferError: a bad kv_bits, an unknown scheme, a negative start, a group size other than 32 / 64
-            / 128, or a KIVI residual that is not a multiple of the group size; or a scheme / start given
-            without kv_bits.
+            / 128, or a KIVI residual that is not a multiple of the group size; kv_rotate not a bool, or
+            True with KIVI; or a scheme / start given without kv_bits.
     """
     bits = parse_kv_bits(kv_bits)
     scheme = str(kv_scheme).strip().lower()
@@ -96,7 +103,13 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
     residual = _nonnegative_int(kv_residual, "kv_residual") if scheme == "kivi" else 0
     if residual % group:
         raise MlxInferError(f"kv_residual ({residual}) must be a multiple of kv_group_size ({group})")
-    return KVQuant(bits[0], bits[1], scheme, group, start, residual)
+    if kv_rotate is not None and not isinstance(kv_rotate, bool):
+        raise MlxInferError(f"kv_rotate must be True or False, got {kv_rotate!r}")
+    if kv_rotate and scheme == "kivi":
+        raise MlxInferError("kv_rotate applies to kv_scheme='affine': KIVI quantizes keys per channel, which a "
+                            "rotation across channels would undo; drop kv_rotate or use kv_scheme='affine'")
+    rotate = (KV_ROTATE if kv_rotate is None else kv_rotate) and scheme == "affine"
+    return KVQuant(bits[0], bits[1], scheme, group, start, residual, rotate)
 
 
 def check_paged_quant(quant: KVQuant) -> None:

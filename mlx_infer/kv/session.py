@@ -97,7 +97,7 @@ class PagedKV:
         if need > most - other:
             raise KVBudgetError(
                 f"the request needs {need} KV blocks of {self.block_size} tokens ({tokens} tokens) but the KV "
-                f"budget of {self.pool.budget_bytes / 2**20:.1f} MiB holds {most - other}: raise kv_budget, lower "
+                f"budget of {self.pool.budget_text()} holds {most - other}: raise kv_budget, lower "
                 f"max_tokens{'' if evicting else ', or evict tokens (evict=POLICY:RATIO)'}")
 
 

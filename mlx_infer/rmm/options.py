@@ -87,7 +87,7 @@ class Retention:
         for item, first, _ in self.layer_items:
             if first >= count:
                 have = f"{count} layers (0-{count - 1})" if count else "no decoder layers RMM reduces"
-                raise MlxInferError(f"--rmm {item!r}: this model has {have}, so the range selects none; "
+                raise MlxInferError(f"rmm {item!r}: this model has {have}, so the range selects none; "
                                     "give layers within the model")
 
     def canonical(self) -> str:
@@ -160,7 +160,7 @@ def _rho(value: str, item: str) -> float:
     value = value.strip()
     rho = float(value) if _RHO.match(value) else math.nan
     if not 0.0 < rho <= 1.0:
-        raise MlxInferError(f"--rmm {item!r}: the retention ratio must be a number in (0, 1] in ASCII digits, "
+        raise MlxInferError(f"rmm {item!r}: the retention ratio must be a number in (0, 1] in ASCII digits, "
                             "e.g. mlp=0.75")
     return rho
 
@@ -169,12 +169,12 @@ def _layers(text: str, item: str) -> Tuple[int, Optional[int]]:
     """(first, last or None for "to the end") of an item's `@layers`."""
     m = _LAYERS.match(text.strip())
     if not m:
-        raise MlxInferError(f"--rmm {item!r}: layers are N, N-M or N- in ASCII digits (e.g. mlp@0-3=0.5)")
+        raise MlxInferError(f"rmm {item!r}: layers are N, N-M or N- in ASCII digits (e.g. mlp@0-3=0.5)")
     first, dash, last = m.groups()
     lo = int(first)
     hi = None if dash and not last else int(last if dash else first)
     if hi is not None and hi < lo:
-        raise MlxInferError(f"--rmm {item!r}: the layer range is empty ({lo} > {hi}); write the lower layer first "
+        raise MlxInferError(f"rmm {item!r}: the layer range is empty ({lo} > {hi}); write the lower layer first "
                             f"({hi}-{lo})")
     return lo, hi
 
@@ -203,25 +203,25 @@ def parse_rmm(text: Union[None, str, Retention]) -> Optional[Retention]:
     for raw in text.split(","):
         item = raw.strip().lower()
         if not item:
-            raise MlxInferError(f"--rmm {text.strip()!r}: an empty item (a trailing or doubled comma); "
+            raise MlxInferError(f"rmm {text.strip()!r}: an empty item (a trailing or doubled comma); "
                                 "separate items by one comma, e.g. attn=0.5,mlp=0.9")
         if "=" not in item:
             if item not in RMM_PRESETS:
-                raise MlxInferError(f"--rmm: unknown preset {item!r}; use one of {', '.join(RMM_PRESETS)} or "
+                raise MlxInferError(f"rmm: unknown preset {item!r}; use one of {', '.join(RMM_PRESETS)} or "
                                     "component=rho items (e.g. attn=0.5,mlp=0.9)")
             rules.extend(parse_rmm(RMM_PRESETS[item]).rules)
             continue
         m = _ITEM.match(item)
         if not m:
-            raise MlxInferError(f"--rmm {item!r}: write component=rho or component@layers=rho (e.g. mlp@0-3=0.5)")
+            raise MlxInferError(f"rmm {item!r}: write component=rho or component@layers=rho (e.g. mlp@0-3=0.5)")
         name, layers, value = m.groups()
         if name not in COMPONENTS and name not in COMPONENT_GROUPS:
-            raise MlxInferError(f"--rmm {item!r}: unknown component {name!r}; use one of "
+            raise MlxInferError(f"rmm {item!r}: unknown component {name!r}; use one of "
                                 f"{', '.join(tuple(COMPONENT_GROUPS) + COMPONENTS)}")
         lo, hi = _layers(layers, item) if layers is not None else (0, None)
         names = COMPONENT_GROUPS.get(name, (name,))
         if layers is not None and set(names) & set(PRODUCT_COMPONENTS):
-            raise MlxInferError(f"--rmm {item!r}: qk and pv take one ratio for every layer (drop the @layers)")
+            raise MlxInferError(f"rmm {item!r}: qk and pv take one ratio for every layer (drop the @layers)")
         rho = _rho(value, item)
         rules.extend((n, lo, hi, rho) for n in names)
         if layers is not None:

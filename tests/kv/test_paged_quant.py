@@ -15,16 +15,10 @@ from mlx_infer.kv import BlockPool, make_paged_cache, make_pool
 from mlx_infer.kv import batch as kv_batch
 from mlx_infer.kv.quant_options import kv_quant
 from mlx_infer.kv.repack import commit, plan_repack
+from quant_oracle import round_trip
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
            "Explain what a CPU does in one sentence."]
-
-
-def round_trip(x, bits, gs=64):
-    """MLX's affine round trip of rows x [..., dim] as float32: float16, mx.quantize (float16 scales and
-    biases), mx.dequantize with them in float32."""
-    w, s, b = mx.quantize(x.astype(mx.float16), group_size=gs, bits=bits)
-    return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
 
 
 def random_kv(n_kv, L, dim, seed):
@@ -52,17 +46,19 @@ def test_block_bytes_and_the_budget():
     assert pool.nbytes == pool.capacity * 16 * 30 * 408  # the allocated planes: codes, scales, biases
 
 
-def test_rows_read_back_as_mlx_round_trip():
-    """Writes quantize each token row; read / read_range return MLX's round trip of the rows, in the pool's
-    dtype; growth (past the first capacity) and shrinking keep them."""
-    pool = BlockPool(2, block_size=4, initial_blocks=2, quant=kv_quant("k8v4"))
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_rows_read_back_as_mlx_round_trip(rotate):
+    """Writes quantize each token row (rotated: in the Hadamard basis); read / read_range return MLX's round
+    trip of the rows, in the pool's dtype and the model's basis; growth (past the first capacity) and
+    shrinking keep them."""
+    pool = BlockPool(2, block_size=4, initial_blocks=2, quant=kv_quant("k8v4", kv_rotate=rotate))
     pool.configure(2, 64, 64, mx.float32)
     blocks = pool.allocate(6)  # grows past initial_blocks
     slots = np.concatenate([np.arange(b * 4, b * 4 + 4) for b in blocks])  # [24]
     k, v = random_kv(2, 24, 64, seed=1)
     for layer in range(2):
         pool.write(layer, pool.rows(slots), k * (layer + 1), v)
-    want_k, want_v = round_trip(k * 2, 8), round_trip(v, 4)
+    want_k, want_v = round_trip(k * 2, 8, rotated=rotate), round_trip(v, 4, rotated=rotate)
     got_k, got_v = pool.read(1, pool.rows(slots))
     assert got_k.dtype == mx.float32 and got_k.shape == (2, 24, 64)
     np.testing.assert_array_equal(np.array(got_k), np.array(want_k))

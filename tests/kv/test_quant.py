@@ -9,8 +9,9 @@ from gguf import GGMLQuantizationType as Q
 
 import mlx_infer
 from gguf_factory import MODEL_TYPES, TinySpec, random_weights, write_gguf
+from quant_oracle import round_trip, sylvester
 from mlx_infer.errors import MlxInferError
-from mlx_infer.kv import attention_hook, quant_cache
+from mlx_infer.kv import attention_hook, quant_cache, rotation
 from mlx_infer.kv.quant_cache import QuantKVCache, make_quant_cache
 from mlx_infer.kv.quant_options import KVQuant, kv_quant, parse_kv_bits
 
@@ -36,17 +37,11 @@ def kv(length, seed, n_kv=2, dim=64):
     return k, v
 
 
-def per_token(x, bits, gs=64):
-    """MLX's affine round trip per token row, float16 scales (the cache's storage), as float32."""
-    w, s, b = mx.quantize(x.astype(mx.float16), group_size=gs, bits=bits)
-    return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
-
-
 def per_channel(x, bits, gs):
     """KIVI's keys: each channel quantized over chunks of gs tokens. x [1, H, T, D] (T a multiple of gs)."""
     _, H, T, D = x.shape
     xt = x[0].reshape(H, T // gs, gs, D).transpose(0, 3, 1, 2)  # [H, D, chunks, gs]
-    return per_token(xt, bits, gs).transpose(0, 2, 3, 1).reshape(1, H, T, D)
+    return round_trip(xt, bits, gs).transpose(0, 2, 3, 1).reshape(1, H, T, D)
 
 
 def test_options():
@@ -54,26 +49,52 @@ def test_options():
     assert parse_kv_bits(None) is None and parse_kv_bits("none") is None
     assert kv_quant("k4v8", "kivi", "100") == KVQuant(4, 8, "kivi", 64, 100, 64)
     assert str(kv_quant("k8v4")) == "k8v4" and str(kv_quant("4", "kivi")) == "kivi-4"
+    assert kv_quant("8").rotate and not kv_quant("8", "kivi").rotate and str(kv_quant("8", kv_rotate=False)) == "8-norot"
     assert kv_quant(None) is None
     for bad, msg in [(("3",), "kv_bits must be"), (("\uff18",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
                      (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "give kv_bits"),
                      (("8", "affine", "\u00b2"), "kv_quant_start must be an integer"),
-                     (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of")]:
+                     (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of"),
+                     (("8", "affine", 0, 64, 64, "yes"), "kv_rotate must be True or False"),
+                     (("8", "kivi", 0, 64, 64, True), "kv_rotate applies to kv_scheme='affine'")]:
         with pytest.raises(MlxInferError, match=msg):
             kv_quant(*bad)
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
-def test_affine_cache_returns_each_token_round_tripped(bits):
+def test_affine_cache_returns_each_token_round_tripped(bits, rotate):
     """Chunks of 100, 1 and 37 tokens: the K/V returned are every token's own round trip (per token, so
-    chunking does not matter), the offset counts them, and the packed rows grow past QUANT_STEP."""
-    cache = QuantKVCache(KVQuant(*bits))
+    chunking does not matter; rotated: in the Hadamard basis, then back), the offset counts them, and the
+    packed rows grow past QUANT_STEP."""
+    cache = QuantKVCache(KVQuant(*bits, rotate=rotate))
     k, v = kv(300, 0)
     for a, b in ((0, 100), (100, 101), (101, 138), (138, 300)):
         keys, values = cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
     assert cache.offset == 300 and cache.n_quantized == 300
-    np.testing.assert_array_equal(np.array(keys), np.array(per_token(k, bits[0])))
-    np.testing.assert_array_equal(np.array(values), np.array(per_token(v, bits[1])))
+    np.testing.assert_allclose(np.array(keys), np.array(round_trip(k, bits[0], rotated=rotate)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.array(values), np.array(round_trip(v, bits[1], rotated=rotate)), rtol=0, atol=1e-5)
+
+
+def test_rotation_is_orthogonal_and_spreads_an_outlier_channel():
+    """hadamard(n) is the Sylvester matrix and H H = I (rotate is its own inverse); with one key channel
+    40x the others, 4-bit scores q k^T through the rotated cache are closer to the float scores than
+    through plain per-token groups, where the outlier sets every group's scale."""
+    for n in (32, 64, 128, 256):
+        h = np.array(rotation.hadamard(n))
+        np.testing.assert_array_equal(h, np.array(sylvester(n)))
+        np.testing.assert_allclose(h @ h, np.eye(n), atol=1e-6)
+    x = mx.random.normal((3, 50, 128), key=mx.random.key(2))
+    np.testing.assert_allclose(np.array(rotation.rotate(rotation.rotate(x, 64), 64)), np.array(x), atol=1e-5)
+    k = mx.random.normal((1, 2, 200, 64), key=mx.random.key(7)) * mx.where(mx.arange(64) == 5, 40.0, 1.0)
+    q = mx.random.normal((1, 2, 4, 64), key=mx.random.key(3))
+    exact = np.array(q @ k.swapaxes(-1, -2))
+    err = {}
+    for rotate in (False, True):
+        cache = QuantKVCache(KVQuant(4, 4, rotate=rotate))
+        keys, _ = cache.update_and_fetch(k, k)
+        err[rotate] = np.abs(np.array(q @ keys.swapaxes(-1, -2)) - exact).mean()
+    assert err[True] < 0.5 * err[False], err
 
 
 def test_kivi_quantizes_keys_per_channel_and_keeps_the_recent_tokens_in_float():
@@ -87,7 +108,7 @@ def test_kivi_quantizes_keys_per_channel_and_keeps_the_recent_tokens_in_float():
     np.testing.assert_array_equal(np.array(keys[:, :, 64:]), np.array(k[:, :, 64:]))
     np.testing.assert_array_equal(np.array(values[:, :, 64:]), np.array(v[:, :, 64:]))
     np.testing.assert_array_equal(np.array(keys[:, :, :64]), np.array(per_channel(k[:, :, :64], 4, 32)))
-    np.testing.assert_array_equal(np.array(values[:, :, :64]), np.array(per_token(v[:, :, :64], 4, 32)))
+    np.testing.assert_array_equal(np.array(values[:, :, :64]), np.array(round_trip(v[:, :, :64], 4, 32)))
 
 
 def test_threshold_converts_the_whole_float_context():
@@ -100,8 +121,8 @@ def test_threshold_converts_the_whole_float_context():
     np.testing.assert_array_equal(np.array(keys), np.array(k[:, :, :60]))
     keys, values = cache.update_and_fetch(k[:, :, 60:], v[:, :, 60:])
     assert cache.n_quantized == 120 and cache.bytes_per_token() == 2 * (64 + 64 + 2 * 2 * 2)  # 2 groups x scale, bias x 2 bytes
-    np.testing.assert_array_equal(np.array(keys), np.array(per_token(k, 8)))
-    np.testing.assert_array_equal(np.array(values), np.array(per_token(v, 8)))
+    np.testing.assert_allclose(np.array(keys), np.array(round_trip(k, 8, rotated=True)), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.array(values), np.array(round_trip(v, 8, rotated=True)), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("quant", [kv_quant("8"), kv_quant("4", "kivi", kv_group_size=32, kv_residual=32),
@@ -126,7 +147,8 @@ def test_trim_drops_the_last_tokens_and_keeps_the_rest(quant):
 
 
 @pytest.mark.parametrize("arch", list(MODEL_TYPES))
-@pytest.mark.parametrize("quant", [kv_quant("8"), kv_quant("k8v4"), kv_quant("4", "kivi", kv_group_size=32, kv_residual=32)],
+@pytest.mark.parametrize("quant", [kv_quant("8", kv_rotate=False), kv_quant("k8v4", kv_rotate=False),
+                                   kv_quant("4", "kivi", kv_group_size=32, kv_residual=32)],
                          ids=str)
 def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, monkeypatch, arch, quant):
     """Prefill of 90 tokens, 4 decode steps and a verify forward of 4 tokens: logits with the fused kernel
@@ -156,6 +178,24 @@ def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, mon
     monkeypatch.setattr(module, "scaled_dot_product_attention", attention_hook.mlx_lm_attention)
     plain = run()
     np.testing.assert_allclose(fused, plain, rtol=0, atol=5e-5 * np.abs(plain).max())
+
+
+@pytest.mark.parametrize("quant", [kv_quant("8"), kv_quant("4"), kv_quant("k8v4", kv_group_size=32)], ids=str)
+def test_rotated_fused_attention_equals_attention_over_the_returned_kv(quant):
+    """One layer, GQA 4:2: the fused attention of a rotated cache (queries moved into the stored basis,
+    the output moved back) equals MLX's attention over the K/V the same cache returns (dequantized and
+    rotated back), for a 90-token causal prefill chunk, a decode step and a 4-token verify, to 3e-5 (float32
+    rounding of the two rotations)."""
+    cache = QuantKVCache(quant)
+    k, v = kv(95, 11)
+    scale = 64 ** -0.5
+    for a, b, mask in ((0, 90, "causal"), (90, 91, None), (91, 95, "causal")):
+        keys, values = cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
+        q = mx.random.normal((1, 4, b - a, 64), key=mx.random.key(b))
+        got = cache.fused_attention(q, scale, mask)
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        assert got is not None and got.shape == (1, 4, b - a, 64)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=3e-5)
 
 
 def test_sliding_window_layers_keep_mlx_lm_caches(models64):
