@@ -8,6 +8,8 @@ the questions follow it one after another through the engine's kept KV cache (a 
 only itself after the first: the cache of the body is trimmed back, as a chat's next turn), so the body's
 prefill is paid once per setting and length. Settings (Engine.configure_kv):
   float, 8, 4, k8v4, kivi-4    from the first token (kv_quant_start 0)
+  4@norot, 8@rot, ...          the affine scheme with every store Hadamard-rotated (@rot) or none (@norot:
+                               MLX's plain codes); by default the 4-bit stores are rotated
   8@mid                        kv_bits 8 with kv_quant_start in the middle of the body: a first request sends
                                the body's first half (below the threshold: float KV, kept), the next the whole
                                prompt, whose prefill crosses the threshold, where the kept float context is
@@ -52,12 +54,15 @@ SETTINGS = "float,8,4,k8v4,kivi-4,8@mid"
 
 
 def kv_options(setting: str, start: int = 0) -> dict:
-    bits = setting.split("@")[0]
+    """Engine.configure_kv options of a setting ("8", "kivi-4"; "@rot" / "@norot": every affine store
+    rotated / none)."""
+    bits, *extras = setting.split("@")
     if bits == "float":
         return {"kv_bits": None}
     if bits.startswith("kivi-"):
         return {"kv_bits": bits[5:], "kv_scheme": "kivi", "kv_quant_start": start}
-    return {"kv_bits": bits, "kv_quant_start": start}
+    rotate = {"rot": True, "norot": False}
+    return {"kv_bits": bits, "kv_quant_start": start, **{"kv_rotate": rotate[e] for e in extras if e in rotate}}
 
 
 def encode(tokenizer, text: str) -> List[int]:

@@ -145,8 +145,9 @@ def paged_nll(model: nn.Module, kv: PagedKV, tokens: Sequence[int], prefix_len: 
 def parse_kv_setting(text: str) -> Tuple[str, Optional[KVQuant]]:
     """A `--kv-bits` entry as (label, KVQuant or None): "float" (mlx-lm's float KVCache); "8", "4", "k8v4"
     (the affine scheme); "kivi-4", "kivi-8", "kivi-k8v4" (KIVI, its default residual window); a suffix
-    "@rN" sets KIVI's residual to N tokens (e.g. "kivi-4@r32"); "@gN" the group size; "@norot" turns the
-    affine scheme's Hadamard rotation off (MLX's plain codes, as mlx-lm stores them)."""
+    "@rN" sets KIVI's residual to N tokens (e.g. "kivi-4@r32"); "@gN" the group size; "@rot" / "@norot"
+    rotates every affine store / none (the default rotates the 4-bit ones; "@norot": MLX's plain codes, as
+    mlx-lm stores them)."""
     label = text.strip().lower()
     base, *extras = label.split("@")
     if base in ("float", "none", "off", "16"):
@@ -154,12 +155,12 @@ def parse_kv_setting(text: str) -> Tuple[str, Optional[KVQuant]]:
     scheme, bits = ("kivi", base[5:]) if base.startswith("kivi-") else ("affine", base)
     options = {"kv_residual": KIVI_RESIDUAL, "kv_group_size": KV_GROUP_SIZE}
     for extra in extras:
-        if extra == "norot":
-            options["kv_rotate"] = False
+        if extra in ("rot", "norot"):
+            options["kv_rotate"] = extra == "rot"
             continue
         key = {"r": "kv_residual", "g": "kv_group_size"}.get(extra[:1])
         if key is None or not extra[1:].isdigit():
-            raise SystemExit(f"--kv-bits: {text!r}: a suffix is @rN (KIVI residual), @gN (group size) or @norot")
+            raise SystemExit(f"--kv-bits: {text!r}: a suffix is @rN (KIVI residual), @gN (group size), @rot or @norot")
         options[key] = int(extra[1:])
     quant = kv_quant(bits, scheme, **options)
     return label, quant

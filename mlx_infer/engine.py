@@ -96,7 +96,7 @@ class Engine:
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
     keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
     kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64), kv_rotate (affine: each
-    group of K/V values Hadamard-rotated before quantizing, on by default: kv/rotation.py). Attention then
+    group of K/V values Hadamard-rotated before quantizing; None: the 4-bit stores, kv/rotation.py). Attention then
     reads the packed K/V through the kernel layer's fused quant_attention.
 
     RMM (`mlx_infer.load(rmm=...)`, arXiv 2608.13426; lossy): the model's linear layers were reduced when it

@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import MlxInferError
 from ..kernels.paged_attention import paged_attention, paged_kernel_fits, paged_quant_attention
 from .pool import BlockPool
-from .rotation import change_basis
+from .rotation import keys_basis, values_basis
 from .sequence import PagedSequence
 
 
@@ -201,10 +201,10 @@ class BatchLayerCache:
         if not (step.fused and ours and fused_attention_applies(pool, queries.shape[2])):
             return None
         if pool.quant is not None:  # the packed rows, dequantized tile by tile in the kernel, in their basis
-            out = paged_quant_attention(change_basis(queries, pool.quant), pool.keys[self.layer],
+            out = paged_quant_attention(keys_basis(queries, pool.quant), pool.keys[self.layer],
                                         pool.values[self.layer], *step.kernel_operands(), scale,
                                         pool.quant.group_size, window or 0)  # [B, n_q, L, Dv]
-            return change_basis(out, pool.quant)
+            return values_basis(out, pool.quant)
         return paged_attention(queries, pool.keys[self.layer], pool.values[self.layer], *step.kernel_operands(),
                                scale, window or 0)  # [B, n_q, L, Dv]
 

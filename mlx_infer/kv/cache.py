@@ -27,7 +27,7 @@ from ..kernels.attention import quant_attention
 from ..kernels.dense_attention import dense_fits
 from ..kernels.paged_attention import paged_attention
 from .pool import BlockPool
-from .rotation import change_basis
+from .rotation import keys_basis, values_basis
 from .quant_options import KVQuant
 from .sequence import PagedSequence
 
@@ -105,8 +105,8 @@ class PagedKVCache:
         keys, values = self.sequence.live_packed(self.layer)  # Packed [n_kv, S, width] each
         n_kv, S = keys[0].shape[:2]
         q = queries.reshape(n_kv, (n_q // n_kv) * L, D)  # [n_kv, n_rep * L, D]: row r is position r % L
-        out = quant_attention(change_basis(q, quant), keys, values, S, scale, L, quant.group_size)  # [n_kv, n_rep * L, Dv]
-        out = change_basis(out, quant)  # the rows' stored basis back to the model's
+        out = quant_attention(keys_basis(q, quant), keys, values, S, scale, L, quant.group_size)  # [n_kv, n_rep * L, Dv]
+        out = values_basis(out, quant)  # the values' stored basis back to the model's
         return out.astype(queries.dtype).reshape(1, n_q, L, out.shape[-1])
 
     def _float_attention(self, queries: mx.array, scale: float) -> mx.array:

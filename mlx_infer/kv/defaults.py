@@ -39,10 +39,11 @@ PREFIX_CACHE_BYTES = 512 << 20
 #: Quantized KV: values per scale / bias (along head_dim; KIVI keys: along tokens). 64 keeps 4-bit K/V
 #: with float16 scales and biases at 4.5 bits per value (0.28x float16).
 KV_GROUP_SIZE = 64
-#: Quantized KV, affine scheme: rotate each group of K/V values by a Hadamard matrix before quantizing
-#: (kv/rotation.py, QuaRot arXiv 2404.00456). On the default model it cut 4-bit K/V's mean KL from float KV
-#: 2-3x at the same bytes (docs/kv_quant.md); KIVI keeps its per-channel keys unrotated.
-KV_ROTATE = True
+#: Quantized KV, affine scheme: the bit widths whose K or V store is rotated by a Hadamard matrix per group
+#: before quantizing (kv/rotation.py, QuaRot arXiv 2404.00456). On the default model it cut 4-bit K/V's mean
+#: KL from float KV 2.2-3.4x at the same bytes; at 8 bits its effect was within the noise of perplexity and
+#: recall (docs/kv_quant.md). KIVI keeps its per-channel keys unrotated.
+KV_ROTATE_BITS = (4,)
 #: Dtype of the scales and biases of quantized K/V (QuantKVCache and quantized pool blocks).
 KV_SCALE_DTYPE = mx.float16
 #: KIVI (arXiv 2402.02750): the most recent tokens kept in float (its paper: 32-128).

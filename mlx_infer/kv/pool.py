@@ -21,7 +21,7 @@ Allocation hands out the lowest free ids first, which keeps the used blocks at t
 
 Quantized blocks (`quant`, a KVQuant of the affine scheme): each token row of K and V is stored packed in
 MLX's affine layout, quantized when written (`mx.quantize` of the row in float16, after the Hadamard rotation
-of kv/rotation.py unless quant.rotate is off, as QuantKVCache does): per
+of kv/rotation.py where quant.rotate_k / rotate_v say so, as QuantKVCache does): per
 layer and K / V three arrays with the same rows, codes uint32 [rows, dim * bits / 32] and float16 scales and
 biases [rows, dim / group_size] (groups along head_dim; K and V with their own bits). Every operation on rows
 (growth, shrinking, moves for repacking) treats a layer's arrays alike, its "planes": [K, V] for float
@@ -41,7 +41,7 @@ from ..errors import MlxInferError
 from .defaults import BLOCK_SIZE, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
 from .errors import KVBudgetError
 from .quant_options import KVQuant, check_paged_quant
-from .rotation import change_basis
+from .rotation import keys_basis, values_basis
 
 #: One layer's quantized K or V: (codes uint32 [rows, dim * bits / 32], scales, biases float16
 #: [rows, dim / group_size]).
@@ -332,7 +332,7 @@ class BlockPool:
     def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L]; keys [n_kv, L, k_dim], values
         [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks quantize each row first
-        (Hadamard-rotated when quant.rotate, float16, then MLX's affine quantization: QuantKVCache's packing
+        (Hadamard-rotated where quant.rotate_k / rotate_v say so, float16, then MLX's affine quantization: QuantKVCache's packing
         of the same row)."""
         planes = self.planes[layer]
         k, v = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [n_kv * L, D]
@@ -340,7 +340,7 @@ class BlockPool:
             new = [k, v]
         else:
             q = self.quant
-            k, v = change_basis(k, q), change_basis(v, q)
+            k, v = keys_basis(k, q), values_basis(v, q)
             new = [*mx.quantize(k.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.k_bits),
                    *mx.quantize(v.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.v_bits)]
         for a, x in zip(planes, new):
@@ -348,11 +348,10 @@ class BlockPool:
 
     def dequantize(self, packed: Sequence[mx.array], bits: int) -> mx.array:
         """Float rows [..., dim] in the pool's dtype of packed rows (codes [..., dim * bits / 32], scales,
-        biases [..., dim / group_size]), rotated back when quant.rotate, as QuantKVCache dequantizes its own."""
+        biases [..., dim / group_size]), in their stored basis, as QuantKVCache dequantizes its own."""
         w, s, b = packed
         dtype = self.layout[3]
-        return change_basis(mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.quant.group_size,
-                                          bits=bits), self.quant)
+        return mx.dequantize(w, s.astype(dtype), b.astype(dtype), group_size=self.quant.group_size, bits=bits)
 
     def gather(self, layer: int, rows: mx.array, shape: Tuple[int, ...]) -> Tuple[mx.array, mx.array]:
         """(keys shape + (k_dim,), values shape + (v_dim,)) of layer `layer` at pool rows int32 [N] (N =
@@ -365,7 +364,8 @@ class BlockPool:
         if self.quant is None:
             k, v = planes
         else:
-            k, v = self.dequantize(planes[:3], self.quant.k_bits), self.dequantize(planes[3:], self.quant.v_bits)
+            k = keys_basis(self.dequantize(planes[:3], self.quant.k_bits), self.quant)  # back to the model's basis
+            v = values_basis(self.dequantize(planes[3:], self.quant.v_bits), self.quant)
         return k.reshape(*shape, k.shape[-1]), v.reshape(*shape, v.shape[-1])
 
     def take(self, layer: int, rows: mx.array) -> List[mx.array]:

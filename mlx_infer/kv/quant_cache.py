@@ -3,7 +3,7 @@
 run on it.
 
 Tokens [0, n_quantized) are packed (MLX's affine quantization, float16 scales and biases; the affine scheme
-stores each row Hadamard-rotated unless quant.rotate is off, kv/rotation.py); the most recent
+stores 4-bit rows Hadamard-rotated by default: quant.rotate_k / rotate_v, kv/rotation.py); the most recent
 ones stay in a float mlx-lm KVCache: before the quantization threshold all of them, with KIVI its
 residual window (arXiv 2402.02750), with the affine scheme none. `update_and_fetch` returns float K/V
 as any cache does (the packed part dequantized lazily, so code that touches keys keeps working; mlx-vlm
@@ -23,7 +23,7 @@ from .cache import PagedKVCache
 from .defaults import KV_SCALE_DTYPE as SCALE_DTYPE
 from .defaults import QUANT_STEP
 from .quant_options import KVQuant
-from .rotation import change_basis
+from .rotation import keys_basis, values_basis
 
 
 def _grow(a: Optional[mx.array], shape: Tuple[int, ...], axis: int, used: int, need: int,
@@ -198,9 +198,9 @@ class QuantKVCache:
 
     def _pack(self, keys: mx.array, values: mx.array) -> None:
         """Append keys [n_kv, n, D] and values [n_kv, n, Dv] to the packed stores (Hadamard-rotated first
-        when quant.rotate: kv/rotation.py)."""
-        self.k_store.append(change_basis(keys, self.quant))
-        self.v_store.append(change_basis(values, self.quant))
+        where quant.rotate_k / rotate_v say so: kv/rotation.py)."""
+        self.k_store.append(keys_basis(keys, self.quant))
+        self.v_store.append(values_basis(values, self.quant))
 
     def _set_recent(self, keys: mx.array, values: mx.array) -> None:
         """The float window becomes keys [1, n_kv, r, D] and values [1, n_kv, r, Dv] (r may be 0)."""
@@ -212,8 +212,8 @@ class QuantKVCache:
         tail = self.recent.keys_and_values() if self.recent.offset else None
         if self.n_quantized == 0:
             return tail
-        keys = change_basis(self.k_store.dequantize(dtype=self.dtype), self.quant)[None]  # [1, n_kv, n_quantized, D]
-        values = change_basis(self.v_store.dequantize(dtype=self.dtype), self.quant)[None]
+        keys = keys_basis(self.k_store.dequantize(dtype=self.dtype), self.quant)[None]  # [1, n_kv, n_quantized, D]
+        values = values_basis(self.v_store.dequantize(dtype=self.dtype), self.quant)[None]
         if tail is not None:
             keys = mx.concatenate([keys, tail[0]], axis=2)
             values = mx.concatenate([values, tail[1]], axis=2)
@@ -237,9 +237,9 @@ class QuantKVCache:
         elif self.recent.offset:
             return None
         else:  # in the stored basis (scores are invariant under the rotation), the output moved back
-            out = quant_attention(change_basis(q, self.quant), self.k_store.packed(), self.v_store.packed(),
+            out = quant_attention(keys_basis(q, self.quant), self.k_store.packed(), self.v_store.packed(),
                                   self.offset, scale, L, self.quant.group_size)  # [n_kv, n_rep * L, Dv]
-            out = change_basis(out, self.quant)
+            out = values_basis(out, self.quant)
         return out.astype(queries.dtype).reshape(1, n_q, L, out.shape[-1])
 
     def _kivi_attention(self, q: mx.array, scale: float, L: int) -> mx.array:

@@ -4,10 +4,10 @@ checked in plain Python before any model work; each bad value is one MlxInferErr
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 from ..errors import MlxInferError
-from .defaults import KIVI_RESIDUAL, KV_GROUP_SIZE, KV_ROTATE
+from .defaults import KIVI_RESIDUAL, KV_GROUP_SIZE, KV_ROTATE_BITS
 
 #: KV quantization schemes: "affine" (K and V per token, groups along head_dim, as mlx-lm's
 #: QuantizedKVCache) and "kivi" (arXiv 2402.02750: K per channel, groups along tokens; V per token; the
@@ -32,8 +32,9 @@ class KVQuant:
         start: tokens kept in float before quantization begins (0: from the first token); at the
             threshold the float context is quantized in place.
         residual: KIVI's float window of the most recent tokens (0 for affine).
-        rotate: affine only: each group of K/V values is Hadamard-rotated before quantizing, and attention
-            runs in the rotated basis (kv/rotation.py); False: MLX's plain affine codes, as mlx-lm stores.
+        rotate_k, rotate_v: affine only: each group of K (V) values is Hadamard-rotated before quantizing,
+            and attention runs in the rotated basis (kv/rotation.py); False: MLX's plain codes, as mlx-lm
+            stores them.
     """
 
     k_bits: int
@@ -42,13 +43,24 @@ class KVQuant:
     group_size: int = KV_GROUP_SIZE
     start: int = 0
     residual: int = 0
-    rotate: bool = False
+    rotate_k: bool = False
+    rotate_v: bool = False
 
     def __str__(self) -> str:
+        """"8", "k8v4", "kivi-4"; a rotation other than kv_quant's default adds "-rot" (every store rotated)
+        or "-norot" (none)."""
         bits = str(self.k_bits) if self.k_bits == self.v_bits else f"k{self.k_bits}v{self.v_bits}"
         if self.scheme == "kivi":
             return f"kivi-{bits}"
-        return bits if self.rotate else f"{bits}-norot"
+        rotated = (self.rotate_k, self.rotate_v)
+        if rotated == default_rotation(self.k_bits, self.v_bits):
+            return bits
+        return bits + ("-rot" if all(rotated) else "-norot" if not any(rotated) else f"-rot{'k' if self.rotate_k else 'v'}")
+
+
+def default_rotation(k_bits: int, v_bits: int) -> Tuple[bool, bool]:
+    """(rotate K, rotate V) of the affine scheme by default: the stores of KV_ROTATE_BITS bits."""
+    return k_bits in KV_ROTATE_BITS, v_bits in KV_ROTATE_BITS
 
 
 def parse_kv_bits(kv_bits: Union[None, int, str]):
@@ -80,7 +92,8 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
              kv_residual: Union[int, str] = KIVI_RESIDUAL,
              kv_rotate: Optional[bool] = None) -> Optional[KVQuant]:
     """The KVQuant of these options, or None for a float cache (kv_bits None). kv_rotate: the Hadamard
-    rotation of affine K/V (None: the scheme's default, KV_ROTATE for affine, off for KIVI).
+    rotation of affine K/V stores (None: the default, the 4-bit stores of the affine scheme and none of
+    KIVI's; True: every affine store; False: none).
 
     Raises:
         MlxInferError: a bad kv_bits, an unknown scheme, a negative start, a group size other than 32 / 64
@@ -108,8 +121,13 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
     if kv_rotate and scheme == "kivi":
         raise MlxInferError("kv_rotate applies to kv_scheme='affine': KIVI quantizes keys per channel, which a "
                             "rotation across channels would undo; drop kv_rotate or use kv_scheme='affine'")
-    rotate = (KV_ROTATE if kv_rotate is None else kv_rotate) and scheme == "affine"
-    return KVQuant(bits[0], bits[1], scheme, group, start, residual, rotate)
+    if scheme != "affine":
+        rotated = (False, False)
+    elif kv_rotate is None:
+        rotated = default_rotation(*bits)
+    else:
+        rotated = (kv_rotate, kv_rotate)
+    return KVQuant(bits[0], bits[1], scheme, group, start, residual, *rotated)
 
 
 def check_paged_quant(quant: KVQuant) -> None:

@@ -49,7 +49,12 @@ def test_options():
     assert parse_kv_bits(None) is None and parse_kv_bits("none") is None
     assert kv_quant("k4v8", "kivi", "100") == KVQuant(4, 8, "kivi", 64, 100, 64)
     assert str(kv_quant("k8v4")) == "k8v4" and str(kv_quant("4", "kivi")) == "kivi-4"
-    assert kv_quant("8").rotate and not kv_quant("8", "kivi").rotate and str(kv_quant("8", kv_rotate=False)) == "8-norot"
+    rotated = lambda q: (q.rotate_k, q.rotate_v)  # noqa: E731
+    assert rotated(kv_quant("4")) == (True, True) and rotated(kv_quant("8")) == (False, False)  # 4-bit stores
+    assert rotated(kv_quant("k8v4")) == (False, True) and rotated(kv_quant("4", "kivi")) == (False, False)
+    assert rotated(kv_quant("8", kv_rotate=True)) == (True, True) and rotated(kv_quant("4", kv_rotate=False)) == (False, False)
+    assert [str(kv_quant(b, kv_rotate=r)) for b, r in (("4", True), ("4", False), ("8", True), ("k8v4", None))] == \
+        ["4", "4-norot", "8-rot", "k8v4"]
     assert kv_quant(None) is None
     for bad, msg in [(("3",), "kv_bits must be"), (("\uff18",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
                      (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "give kv_bits"),
@@ -67,7 +72,7 @@ def test_affine_cache_returns_each_token_round_tripped(bits, rotate):
     """Chunks of 100, 1 and 37 tokens: the K/V returned are every token's own round trip (per token, so
     chunking does not matter; rotated: in the Hadamard basis, then back), the offset counts them, and the
     packed rows grow past QUANT_STEP."""
-    cache = QuantKVCache(KVQuant(*bits, rotate=rotate))
+    cache = QuantKVCache(KVQuant(*bits, rotate_k=rotate, rotate_v=rotate))
     k, v = kv(300, 0)
     for a, b in ((0, 100), (100, 101), (101, 138), (138, 300)):
         keys, values = cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
@@ -91,7 +96,7 @@ def test_rotation_is_orthogonal_and_spreads_an_outlier_channel():
     exact = np.array(q @ k.swapaxes(-1, -2))
     err = {}
     for rotate in (False, True):
-        cache = QuantKVCache(KVQuant(4, 4, rotate=rotate))
+        cache = QuantKVCache(KVQuant(4, 4, rotate_k=rotate, rotate_v=rotate))
         keys, _ = cache.update_and_fetch(k, k)
         err[rotate] = np.abs(np.array(q @ keys.swapaxes(-1, -2)) - exact).mean()
     assert err[True] < 0.5 * err[False], err
@@ -114,7 +119,7 @@ def test_kivi_quantizes_keys_per_channel_and_keeps_the_recent_tokens_in_float():
 def test_threshold_converts_the_whole_float_context():
     """kv_quant_start 100: 60 tokens stay float; the forward that crosses 100 quantizes all 120 (the
     prefilled context is kept, as its round trip)."""
-    cache = QuantKVCache(kv_quant("8", kv_quant_start=100))
+    cache = QuantKVCache(kv_quant("8", kv_quant_start=100, kv_rotate=True))
     k, v = kv(120, 2)
     keys, _ = cache.update_and_fetch(k[:, :, :60], v[:, :, :60])
     assert cache.n_quantized == 0 and cache.bytes_per_token() == 2 * (64 + 64) * 4  # float32, 2 KV heads
@@ -180,10 +185,11 @@ def test_fused_attention_equals_mlx_lm_attention_on_the_same_cache(models64, mon
     np.testing.assert_allclose(fused, plain, rtol=0, atol=5e-5 * np.abs(plain).max())
 
 
-@pytest.mark.parametrize("quant", [kv_quant("8"), kv_quant("4"), kv_quant("k8v4", kv_group_size=32)], ids=str)
+@pytest.mark.parametrize("quant", [kv_quant("8", kv_rotate=True), kv_quant("4"), kv_quant("k8v4", kv_group_size=32)],
+                         ids=str)
 def test_rotated_fused_attention_equals_attention_over_the_returned_kv(quant):
-    """One layer, GQA 4:2: the fused attention of a rotated cache (queries moved into the stored basis,
-    the output moved back) equals MLX's attention over the K/V the same cache returns (dequantized and
+    """One layer, GQA 4:2: the fused attention of a rotated cache (queries moved into the keys' stored basis,
+    the output out of the values'; k8v4: only V rotated) equals MLX's attention over the K/V the same cache returns (dequantized and
     rotated back), for a 90-token causal prefill chunk, a decode step and a 4-token verify, to 3e-5 (float32
     rounding of the two rotations)."""
     cache = QuantKVCache(quant)
