@@ -112,6 +112,8 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
         if scheme != "affine" or start:
             raise MlxInferError("kv_scheme and kv_quant_start apply to a quantized KV cache: give kv_bits 8, 4 "
                                 "or kXvY (e.g. k8v4)")
+        if kv_rotate is not None:
+            raise MlxInferError("kv_rotate applies to a quantized KV cache: give kv_bits 8, 4 or kXvY (e.g. k8v4)")
         return None
     residual = _nonnegative_int(kv_residual, "kv_residual") if scheme == "kivi" else 0
     if residual % group:

@@ -61,6 +61,7 @@ def test_options():
                      (("8", "affine", "\u00b2"), "kv_quant_start must be an integer"),
                      (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of"),
                      (("8", "affine", 0, 64, 64, "yes"), "kv_rotate must be True or False"),
+                     ((None, "affine", 0, 64, 64, True), "kv_rotate applies to a quantized KV cache"),
                      (("8", "kivi", 0, 64, 64, True), "kv_rotate applies to kv_scheme='affine'")]:
         with pytest.raises(MlxInferError, match=msg):
             kv_quant(*bad)
