@@ -3,6 +3,7 @@
 one `warning: ...` line each."""
 
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -31,6 +32,22 @@ USER_ERRORS = (MlxInferError, OSError)
 CLI_EXITS = (typer.Exit, typer.Abort, click_exceptions.ClickException)
 
 
+#: The library's keyword names that its messages use, and the command line's flags for them.
+PYTHON_FLAGS = {"kv_budget": "--kv-budget", "max_tokens": "--max-tokens", "kv_quant_start": "--kv-quant-start",
+                 "kv_cache": "--kv-cache", "kv_bits": "--kv-bits", "kv_scheme": "--kv-scheme", "evict": "--evict"}
+_PYTHON_NAME = re.compile(r"(?<![\w-])(kv_budget|max_tokens|kv_quant_start|kv_cache|kv_bits|kv_scheme|evict(?==))"
+                          r"(?:=(?:'([^']*)'|([\w.:]+)))?")
+
+
+def flag_words(message: str) -> str:
+    """A library message in the command line's words: 'raise kv_budget' -> 'raise --kv-budget',
+    "kv_cache='dense'" -> '--kv-cache dense', 'evict=POLICY:RATIO' -> '--evict POLICY:RATIO'."""
+    def flag(m: "re.Match") -> str:
+        value = m.group(2) if m.group(2) is not None else m.group(3)
+        return PYTHON_FLAGS[m.group(1)] + (f" {value}" if value is not None else "")
+    return _PYTHON_NAME.sub(flag, message)
+
+
 def as_flag(error: MlxInferError, name: str) -> MlxInferError:
     """The library's error about its keyword argument `name` ('rmm ...', 'rmm: ...') as the command line's
     about the flag ('--rmm ...'); other errors unchanged."""
@@ -52,7 +69,8 @@ def report(error: BaseException, verbose: bool = False) -> None:
     """Print `error: MESSAGE` on stderr, after the traceback when verbose."""
     if verbose:
         traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
-    print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
+    text = one_line(error)
+    print(f"error: {flag_words(text) if isinstance(error, MlxInferError) else text}", file=sys.stderr, flush=True)
 
 
 def report_bug(error: BaseException, verbose: bool = False) -> None:

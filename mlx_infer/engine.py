@@ -136,13 +136,15 @@ class Engine:
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
                      kv_quant_start: int = 0, kv_group_size: int = KV_GROUP_SIZE,
                      kv_residual: int = KIVI_RESIDUAL, kv_rotate: Optional[bool] = None) -> None:
-        """Choose the KV cache of the next requests (see the class docstring); drops the kept cache.
+        """Choose the KV cache of the next requests (see the class docstring); drops the kept cache. Every
+        call sets all of these options: one not given goes back to its default (float, dense KV).
 
         Raises:
             MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, or a
                 kv_budget / block_size other than the default given with the dense cache; a bad quantized-KV
                 option (see kv.quant_options.kv_quant), or with the paged cache a quantization its blocks
-                cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant).
+                cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant);
+                KVBudgetError: a kv_budget that cannot hold one block. On an error the previous setting stays.
         """
         kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
         quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual, kv_rotate)
@@ -150,8 +152,11 @@ class Engine:
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
         if kind == "paged" and quant is not None:
             check_paged_quant(quant)  # KIVI or a float prefix: a one-line error
+        kv = PagedKV(self.model, budget, size, quant) if kind == "paged" else None
+        if kv is not None and budget is not None:
+            kv.check_budget()  # a budget under one block fails here, the previous setting kept
         self.reset()
-        self._kv = PagedKV(self.model, budget, size, quant) if kind == "paged" else None
+        self._kv = kv
         self._batch_pool = None  # a dense engine's batched pool follows its quantization (made on first use)
         self._quant = quant
 

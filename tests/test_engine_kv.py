@@ -134,11 +134,10 @@ def test_request_over_budget_fails_before_prefill(default_gguf, paged):
     # with eviction only the prompt (and its first token) must fit: eviction keeps the rest within budget
     evicted = small.generate(PROMPTS[1], max_tokens=64 - m + 1, evict="streaming:0.5")
     assert evicted.stats.generated_tokens > 0 and evicted.stats.kv["peak_kv_bytes"] <= 4 * block
-    tiny = mlx_infer.Engine(paged.model, paged.tokenizer, paged.config, paged.source, kv_cache="paged",
-                            kv_budget="4KiB")  # under one block: the message says so instead of "holds 0"
-    with pytest.raises(KVBudgetError, match=r"KV budget of 4\.0 KiB \(smaller than one block of 16 tokens, "
-                                            r"which takes 720\.0 KiB with this model\) holds 0"):
-        tiny.generate(PROMPTS[0], max_tokens=2)
+    with pytest.raises(KVBudgetError, match=r"^the KV budget of 4\.0 KiB \(smaller than one block of 16 tokens, "
+                                            r"which takes 720\.0 KiB with this model\) holds no KV block"):
+        small.configure_kv(kv_cache="paged", kv_budget="4KiB")  # refused where it is given, not per request
+    assert small.kv_pool.max_blocks == 4  # the previous setting stays
 
 
 def test_kv_stats(fresh, default_engine):

@@ -64,12 +64,9 @@ class BatchScheduler:
         self._inflight: Optional[Tuple[List[BatchRequest], mx.array]] = None
         self.solo = solo
         self._solo: Optional[Tuple[BatchRequest, Iterator[int]]] = None  # the lone speculative request
-        kv.ensure_layout()
+        kv.check_budget()  # KVBudgetError for a budget that holds no block
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
         self._fused = install_attention_hook(model) > 0  # batched steps may attend on the paged kernel (kv/batch.py)
-        if kv.pool.max_blocks == 0:
-            raise KVBudgetError(f"the KV budget of {kv.pool.budget_bytes} bytes holds no block of {kv.block_size} "
-                                f"tokens ({kv.pool.block_bytes} bytes): raise kv_budget")
 
     @property
     def busy(self) -> bool:

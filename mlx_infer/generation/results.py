@@ -31,9 +31,10 @@ class GenerationStats:
             over the decode steps, after eviction), live_tokens, waste (1 - mean
             live fraction of its blocks, at the end), repacks, repack_s (host seconds), peak_kv_bytes (its most
             blocks x bytes per block, all layers, K and V), block_size, evict, repack, evicted_tokens.
-        kv_bits: the quantized KV cache's setting ("8", "4", "k8v4", "kivi-4"; None: float KV).
-        kv_bytes_per_token: KV bytes one token costs over all layers, K and V (scales included; 0 for the
-            paged cache, whose `kv` record has its blocks).
+        kv_bits: the quantized KV cache's setting ("8", "4", "k8v4", "kivi-4"; "4@norot" / "8@rot" for a
+            rotation other than the default; None: float KV).
+        kv_bytes_per_token: KV bytes one token costs over all layers, K and V (scales included; the paged
+            cache: one token slot of its blocks).
         rmm: the RMM retention the model runs with, in its canonical form (str(Retention): "mlp=0.9, attn=0.5"
             and "attn=0.5,mlp=0.9" both give "attn=0.5,mlp=0.9"); None: exact.
     """

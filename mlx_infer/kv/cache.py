@@ -27,8 +27,8 @@ from ..kernels.attention import quant_attention
 from ..kernels.dense_attention import dense_fits
 from ..kernels.paged_attention import paged_attention
 from .pool import BlockPool
-from .rotation import keys_basis, values_basis
 from .quant_options import KVQuant
+from .rotation import keys_basis, values_basis
 from .sequence import PagedSequence
 
 

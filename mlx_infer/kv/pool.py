@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import MlxInferError
 from .defaults import BLOCK_SIZE, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
 from .errors import KVBudgetError
-from .quant_options import KVQuant, check_paged_quant
+from .quant_options import KVQuant, check_head_dims, check_paged_quant
 from .rotation import keys_basis, values_basis
 
 #: One layer's quantized K or V: (codes uint32 [rows, dim * bits / 32], scales, biases float16
@@ -112,12 +112,7 @@ class BlockPool:
         layout = (int(n_kv_heads), int(k_dim), int(v_dim), dtype)
         if self.layout is None:
             if self.quant is not None:
-                g = self.quant.group_size
-                for name, dim in (("key", layout[1]), ("value", layout[2])):
-                    if dim % 32 or dim % g:
-                        raise MlxInferError(
-                            f"quantized KV needs a {name} head dim that is a multiple of 32 and of the group size "
-                            f"({g}); this model's is {dim}: try kv_group_size=32 or float KV")
+                check_head_dims(self.quant, layout[1], layout[2])
             self.layout = layout
         elif self.layout != layout:
             raise MlxInferError(

@@ -22,7 +22,7 @@ from ..kernels.attention import channel_keys_attention, merge_attention, quant_a
 from .cache import PagedKVCache
 from .defaults import KV_SCALE_DTYPE as SCALE_DTYPE
 from .defaults import QUANT_STEP
-from .quant_options import KVQuant
+from .quant_options import KVQuant, check_head_dims
 from .rotation import keys_basis, values_basis
 
 
@@ -159,11 +159,7 @@ class QuantKVCache:
     def _check(self, keys: mx.array, values: mx.array) -> None:
         if keys.shape[0] != 1:
             raise MlxInferError(f"a quantized KV cache holds one request (batch 1), got a batch of {keys.shape[0]}")
-        g = self.quant.group_size
-        for name, dim in (("key", keys.shape[3]), ("value", values.shape[3])):
-            if dim % 32 or dim % g:
-                raise MlxInferError(f"quantized KV needs a {name} head dim that is a multiple of 32 and of the "
-                                    f"group size ({g}); this model's is {dim}: try kv_group_size=32 or float KV")
+        check_head_dims(self.quant, keys.shape[3], values.shape[3])
         self.dtype = keys.dtype
         self.layout = (keys.shape[1], keys.shape[3], values.shape[3])
 

@@ -47,15 +47,15 @@ class KVQuant:
     rotate_v: bool = False
 
     def __str__(self) -> str:
-        """"8", "k8v4", "kivi-4"; a rotation other than kv_quant's default adds "-rot" (every store rotated)
-        or "-norot" (none)."""
+        """"8", "k8v4", "kivi-4"; a rotation other than kv_quant's default adds "@rot" (every store rotated)
+        or "@norot" (none), as bench/ppl.py names the settings."""
         bits = str(self.k_bits) if self.k_bits == self.v_bits else f"k{self.k_bits}v{self.v_bits}"
         if self.scheme == "kivi":
             return f"kivi-{bits}"
         rotated = (self.rotate_k, self.rotate_v)
         if rotated == default_rotation(self.k_bits, self.v_bits):
             return bits
-        return bits + ("-rot" if all(rotated) else "-norot" if not any(rotated) else f"-rot{'k' if self.rotate_k else 'v'}")
+        return bits + ("@rot" if all(rotated) else "@norot" if not any(rotated) else f"@rot{'k' if self.rotate_k else 'v'}")
 
 
 def default_rotation(k_bits: int, v_bits: int) -> Tuple[bool, bool]:
@@ -112,8 +112,9 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
         if scheme != "affine" or start:
             raise MlxInferError("kv_scheme and kv_quant_start apply to a quantized KV cache: give kv_bits 8, 4 "
                                 "or kXvY (e.g. k8v4)")
-        if kv_rotate is not None:
-            raise MlxInferError("kv_rotate applies to a quantized KV cache: give kv_bits 8, 4 or kXvY (e.g. k8v4)")
+        if kv_rotate is not None or group != KV_GROUP_SIZE:
+            raise MlxInferError("kv_rotate and kv_group_size apply to a quantized KV cache: give kv_bits 8, 4 or "
+                                "kXvY (e.g. k8v4)")
         return None
     residual = _nonnegative_int(kv_residual, "kv_residual") if scheme == "kivi" else 0
     if residual % group:
@@ -147,3 +148,18 @@ def check_paged_quant(quant: KVQuant) -> None:
     if quant.start:
         raise MlxInferError(f"kv_quant_start={quant.start} (a float prefix) needs the dense KV cache: the paged cache "
                             "quantizes every token when it is written; drop kv_quant_start or use kv_cache='dense'")
+
+
+def check_head_dims(quant: KVQuant, k_dim: int, v_dim: int) -> None:
+    """Whether the kernels can hold this model's K / V heads quantized: each head dim a multiple of 32 and
+    of the group size.
+
+    Raises:
+        MlxInferError: naming the dim and the group sizes that would fit it (or float KV when none does).
+    """
+    for name, dim in (("key", k_dim), ("value", v_dim)):
+        if dim % 32 or dim % quant.group_size:
+            fits = [g for g in KV_GROUP_SIZES if dim % g == 0 and dim % 32 == 0]
+            hint = f"try kv_group_size={' or '.join(map(str, fits))} or float KV" if fits else "use float KV"
+            raise MlxInferError(f"quantized KV needs a {name} head dim that is a multiple of 32 and of the group "
+                                f"size ({quant.group_size}); this model's is {dim}: {hint}")

@@ -78,6 +78,13 @@ class PagedKV:
         if self.pool.budget_bytes is None and self.prefix.max_blocks is None:
             self.prefix.max_blocks = PREFIX_CACHE_BYTES // self.pool.block_bytes
 
+    def check_budget(self) -> None:
+        """Raise KVBudgetError when the budget cannot hold a single block (the layout probed first), so that
+        a budget too small for any request fails where it is given, not on every request."""
+        self.ensure_layout()
+        if self.pool.max_blocks == 0:
+            raise KVBudgetError(f"the KV budget of {self.pool.budget_text()} holds no KV block: raise kv_budget")
+
     def _probe_layout(self) -> None:
         dense = make_prompt_cache(self.model)
         self.model(mx.array([[0]]), cache=dense)

@@ -36,6 +36,15 @@ def test_bad_kv_flags_fail_before_loading(run_cli, args, message):
     assert_user_error(run_cli(*args, "-m", "/definitely/not/here.gguf"), message)
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_budget_under_one_block_fails_at_load_in_flag_words(run_cli, command):
+    """A --kv-budget that cannot hold one KV block is refused once the model is loaded (the block's size is
+    known), before any request, in the command line's words; chat no longer fails every turn and exits 0."""
+    proc = run_cli(*command, "-n", "4", "--kv-cache", "paged", "--kv-budget", "4KB", input="hi\n")
+    assert_user_error(proc, "the KV budget of 3.9 KiB (smaller than one block of 16 tokens, which takes 720.0 KiB "
+                            "with this model) holds no KV block: raise --kv-budget")
+
+
 def test_paged_json_and_stats(run_cli):
     proc = run_cli("generate", "Name three colors.", "-n", "12", "--kv-cache", "paged", "--evict", "h2o:0.5",
                    "--json", "--stats")

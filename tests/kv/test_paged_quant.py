@@ -74,8 +74,11 @@ def test_rows_read_back_as_mlx_round_trip(rotate):
 
 def test_pool_layout_checks():
     pool = BlockPool(1, quant=kv_quant("8", kv_group_size=64))
-    with pytest.raises(MlxInferError, match="key head dim that is a multiple of 32 and of the group size"):
+    with pytest.raises(MlxInferError, match="key head dim that is a multiple of 32 and of the group size .64.; "
+                                            "this model's is 96: try kv_group_size=32 or float KV"):
         pool.configure(2, 96, 64, mx.float32)
+    with pytest.raises(MlxInferError, match="this model's is 64: try kv_group_size=32 or 64 or float KV"):
+        BlockPool(1, quant=kv_quant("8", kv_group_size=128)).configure(2, 64, 64, mx.float32)
     with pytest.raises(MlxInferError, match="kivi.*does not fit the paged cache's token blocks"):
         BlockPool(1, quant=kv_quant("4", "kivi"))
     with pytest.raises(MlxInferError, match="kv_quant_start=8 .*needs the dense KV cache"):

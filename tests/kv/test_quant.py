@@ -54,14 +54,15 @@ def test_options():
     assert rotated(kv_quant("k8v4")) == (False, True) and rotated(kv_quant("4", "kivi")) == (False, False)
     assert rotated(kv_quant("8", kv_rotate=True)) == (True, True) and rotated(kv_quant("4", kv_rotate=False)) == (False, False)
     assert [str(kv_quant(b, kv_rotate=r)) for b, r in (("4", True), ("4", False), ("8", True), ("k8v4", None))] == \
-        ["4", "4-norot", "8-rot", "k8v4"]
+        ["4", "4@norot", "8@rot", "k8v4"]
     assert kv_quant(None) is None
     for bad, msg in [(("3",), "kv_bits must be"), (("\uff18",), "kv_bits must be"), (("k8v2",), "kv_bits must be"), (("8", "nf4"), "kv_scheme"),
                      (("8", "affine", "-1"), "kv_quant_start"), ((None, "kivi"), "give kv_bits"),
                      (("8", "affine", "\u00b2"), "kv_quant_start must be an integer"),
                      (("8", "affine", 0, 48), "kv_group_size"), (("8", "kivi", 0, 64, 40), "multiple of"),
                      (("8", "affine", 0, 64, 64, "yes"), "kv_rotate must be True or False"),
-                     ((None, "affine", 0, 64, 64, True), "kv_rotate applies to a quantized KV cache"),
+                     ((None, "affine", 0, 64, 64, True), "kv_rotate and kv_group_size apply to a quantized KV cache"),
+                     ((None, "affine", 0, 32), "kv_group_size apply to a quantized KV cache"),
                      (("8", "kivi", 0, 64, 64, True), "kv_rotate applies to kv_scheme='affine'")]:
         with pytest.raises(MlxInferError, match=msg):
             kv_quant(*bad)
