@@ -18,8 +18,10 @@ from mlx_infer.errors import MlxInferError
 from mlx_infer.speculative import MODEL_MODES, MODES
 
 from .errors import user_errors
+from mlx_infer.kv.quant_options import kv_quant
+
 from .options import (
-    DraftModelOpt, MaxDraftOpt, ModelOpt, RmmOpt, VerboseOpt, Weights, WeightsOpt, check_rmm, spec_kwargs,
+    DraftModelOpt, KVBitsOpt, MaxDraftOpt, ModelOpt, RmmOpt, VerboseOpt, Weights, WeightsOpt, check_rmm, spec_kwargs,
 )
 from .progress import load_engine
 
@@ -39,6 +41,7 @@ def bench(
     max_draft: MaxDraftOpt = "auto",
     weights: WeightsOpt = Weights.auto,
     rmm: RmmOpt = None,
+    kv_bits: KVBitsOpt = None,
     concurrency: Annotated[Optional[int], typer.Option(
         "--concurrency", "-c", min=1,
         help="Time N copies of PROMPT decoded together (continuous batching) against the same N one after "
@@ -50,22 +53,26 @@ def bench(
 
     Columns: TTFT (s), prefill and decode tokens/s, tau (committed tokens per target forward) and speed
     relative to plain decoding. Outputs are checked to be identical to plain decoding. With --rmm every mode
-    runs on the reduced model (its plain decoding is the reference).
+    runs on the reduced model (its plain decoding is the reference); with --kv-bits every mode decodes over
+    the quantized KV cache.
     """
     with user_errors(verbose):
         if trials < 1 or max_tokens < 1:
             raise MlxInferError("--trials and --max-tokens must be >= 1")
+        kv_quant(kv_bits)  # a bad --kv-bits fails before the model loads
         if concurrency is not None:
             if spec or draft_model:
                 raise MlxInferError("--concurrency times plain batched decoding: drop --spec / --draft-model")
             checked = check_rmm(rmm, "bench --concurrency", "bench without --concurrency")
             engine = load_engine(model, weights.value, verbose, checked)
+            engine.configure_kv(kv_bits=kv_bits)
             return show_concurrency(engine, prompt, concurrency, max_tokens, trials, as_json)
         modes = [m.strip().lower() for m in spec] if spec else ["off", "auto"]
         kwargs = {m: spec_kwargs(m, draft_model if m in MODEL_MODES else None, max_draft) for m in modes}
         if draft_model and not any(m in MODEL_MODES for m in modes):
             raise MlxInferError(f"--draft-model needs a --spec that uses it ({', '.join(MODEL_MODES)})")
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
+        engine.configure_kv(kv_bits=kv_bits)
         runs = {m: [] for m in modes}
         for m in modes:  # warm-up (compile; measure the verify cost curve once)
             engine.generate(prompt, max_tokens=4, **kwargs[m])
@@ -92,7 +99,8 @@ def bench(
             })
         if as_json:
             sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
-                                         "rmm": engine.source.rmm, "trials": trials, "rows": rows}) + "\n")
+                                         "rmm": engine.source.rmm, "kv_bits": engine.kv_bits, "trials": trials,
+                                         "rows": rows}) + "\n")
             return
         table = Table(title=f"{title(engine)}, median of {trials}")
         for col in ("mode (used)", "TTFT s", "prefill tok/s", "decode tok/s", "tau", f"vs {modes[0]}", "same output"):
@@ -105,9 +113,12 @@ def bench(
 
 
 def title(engine) -> str:
-    """'default (native weights)', with ', rmm attn=0.5' for a reduced model."""
+    """'default (native weights)', with ', rmm attn=0.5' for a reduced model and ', 4-bit KV' (', KV k8v4') for a
+    quantized KV cache."""
     rmm = f", rmm {engine.source.rmm}" if engine.source.rmm is not None else ""
-    return f"{engine.source.name} ({engine.source.weights} weights{rmm})"
+    bits = engine.kv_bits
+    kv = "" if bits is None else f", {bits}-bit KV" if bits.isdigit() else f", KV {bits}"
+    return f"{engine.source.name} ({engine.source.weights} weights{rmm}{kv})"
 
 
 def show_concurrency(engine, prompt: str, n: int, max_tokens: int, trials: int, as_json: bool) -> None:

@@ -82,3 +82,13 @@ def test_quantized_kv_json_and_stats(run_cli):
     stats = json.loads(proc.stdout)["stats"]
     assert stats["kv_bits"] == "k8v4" and stats["kv_bytes_per_token"] == 30 * 3 * (64 + 32 + 2 * 2 * 2)
     assert "kv quantized k8v4: 9360 B/token" in proc.stderr
+
+
+def test_bench_kv_bits(run_cli):
+    """bench --kv-bits times every mode over the quantized KV cache (the JSON names it); a bad value is one
+    error line before the model loads."""
+    proc = run_cli("bench", "Name three colors.", "-n", "4", "-t", "1", "--spec", "off", "--kv-bits", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["kv_bits"] == "4" and out["rows"][0]["identical"] and out["rows"][0]["tokens"] >= 1
+    assert_user_error(run_cli("bench", "--kv-bits", "3", "-m", "/definitely/not/here.gguf"), "--kv-bits must be 8, 4")

@@ -60,3 +60,4 @@ def test_spec_rmm_runs(run_cli):
     proc = run_cli("generate", "Name three colors.", "-n", "8", "--spec", "rmm", "--max-draft", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["stats"]["spec_mode"] == "rmm"
+
