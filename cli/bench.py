@@ -98,9 +98,7 @@ def bench(
                 "tokens": stats[-1].generated_tokens,
             })
         if as_json:
-            sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
-                                         "rmm": engine.source.rmm, "kv_bits": engine.kv_bits, "trials": trials,
-                                         "rows": rows}) + "\n")
+            sys.stdout.write(json.dumps({**json_header(engine, trials), "rows": rows}) + "\n")
             return
         table = Table(title=f"{title(engine)}, median of {trials}")
         for col in ("mode (used)", "TTFT s", "prefill tok/s", "decode tok/s", "tau", f"vs {modes[0]}", "same output"):
@@ -110,6 +108,12 @@ def bench(
                           f"{r['decode_tps']:.1f}", f"{r['tau']:.2f}", f"{r['speed_vs_first']:.2f}x",
                           "yes" if r["identical"] else "NO")
         Console(highlight=False).print(table)
+
+
+def json_header(engine, trials: int) -> dict:
+    """What a --json result says of the run: model, weights, RMM retention, KV quantization, trials."""
+    return {"model": engine.source.name, "weights": engine.source.weights, "rmm": engine.source.rmm,
+            "kv_bits": engine.kv_bits, "trials": trials}
 
 
 def title(engine) -> str:
@@ -155,8 +159,7 @@ def show_concurrency(engine, prompt: str, n: int, max_tokens: int, trials: int, 
     for r in rows:
         r["speedup"] = r["total_tps"] / rows[1]["total_tps"]
     if as_json:
-        sys.stdout.write(json.dumps({"model": engine.source.name, "weights": engine.source.weights,
-                                     "rmm": engine.source.rmm, "trials": trials, "rows": rows}) + "\n")
+        sys.stdout.write(json.dumps({**json_header(engine, trials), "rows": rows}) + "\n")
         return
     table = Table(title=f"{title(engine)}, {n} requests, median of {trials}")
     for col in ("system", "tokens", "wall s", "total tok/s", "speedup", "same output"):

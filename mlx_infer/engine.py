@@ -29,8 +29,8 @@ from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
 from .kv.quant_cache import kv_bytes_per_token, make_quant_cache
-from .kv.quant_options import KVQuant, check_paged_quant, kv_quant
-from .kv.session import KVRequest, PagedKV, release
+from .kv.quant_options import KVQuant, check_head_dims, check_paged_quant, fit_group_size, kv_quant
+from .kv.session import KVRequest, PagedKV, probe_kv_layout, release
 from .loading import ModelSource
 from .paths import model_fingerprint
 from .rmm.attention import reduced_products
@@ -95,7 +95,7 @@ class Engine:
     blocks, affine scheme from the first token only): kv_bits (8, 4 or
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
     keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
-    kept in float first), kv_group_size (64), kv_residual (KIVI's float window, 64), kv_rotate (affine: each
+    kept in float first), kv_group_size (64, or 32 for a head dim 64 does not divide), kv_residual (KIVI's float window, 64), kv_rotate (affine: each
     group of K/V values Hadamard-rotated before quantizing; None: the 4-bit stores, kv/rotation.py). Attention then
     reads the packed K/V through the kernel layer's fused quant_attention.
 
@@ -129,12 +129,13 @@ class Engine:
         self._kv: Optional[PagedKV] = None
         self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
         self._quant: Optional[KVQuant] = None
+        self._kv_dims: Optional[tuple] = None  # (k_dim, v_dim) of the model's K/V, probed when first needed
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
-                     kv_quant_start: int = 0, kv_group_size: int = KV_GROUP_SIZE,
+                     kv_quant_start: int = 0, kv_group_size: Optional[int] = None,
                      kv_residual: int = KIVI_RESIDUAL, kv_rotate: Optional[bool] = None) -> None:
         """Choose the KV cache of the next requests (see the class docstring); drops the kept cache. Every
         call sets all of these options: one not given goes back to its default (float, dense KV).
@@ -143,11 +144,19 @@ class Engine:
             MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, or a
                 kv_budget / block_size other than the default given with the dense cache; a bad quantized-KV
                 option (see kv.quant_options.kv_quant), or with the paged cache a quantization its blocks
-                cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant);
-                KVBudgetError: a kv_budget that cannot hold one block. On an error the previous setting stays.
+                cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant), or head
+                dims that kv_group_size does not divide (None: KV_GROUP_SIZE, or the largest group size that
+                divides them: kv.quant_options.fit_group_size); KVBudgetError: a kv_budget that cannot hold one
+                block. On an error the previous setting stays.
         """
         kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
-        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual, kv_rotate)
+        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, KV_GROUP_SIZE if kv_group_size is None else kv_group_size,
+                         kv_residual, kv_rotate)
+        if quant is not None:  # the model's head dims, known now: a group size that fits, or the error here
+            if self._kv_dims is None:
+                self._kv_dims = probe_kv_layout(self.model)[1:3]
+            quant = fit_group_size(quant, *self._kv_dims) if kv_group_size is None else quant
+            check_head_dims(quant, *self._kv_dims)
         if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
         if kind == "paged" and quant is not None:

@@ -3,7 +3,7 @@ kv_residual), parsed and
 checked in plain Python before any model work; each bad value is one MlxInferError line naming it."""
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
 from ..errors import MlxInferError
@@ -163,3 +163,13 @@ def check_head_dims(quant: KVQuant, k_dim: int, v_dim: int) -> None:
             hint = f"try kv_group_size={' or '.join(map(str, fits))} or float KV" if fits else "use float KV"
             raise MlxInferError(f"quantized KV needs a {name} head dim that is a multiple of 32 and of the group "
                                 f"size ({quant.group_size}); this model's is {dim}: {hint}")
+
+
+def fit_group_size(quant: KVQuant, k_dim: int, v_dim: int) -> KVQuant:
+    """quant itself when its group size divides both head dims, else with the largest group size of
+    KV_GROUP_SIZES that does (a head dim of 96 takes groups of 32); unchanged when none does
+    (check_head_dims then says so). For a group size the caller did not choose."""
+    if not (k_dim % quant.group_size or v_dim % quant.group_size):
+        return quant
+    fits = [g for g in KV_GROUP_SIZES if k_dim % g == 0 and v_dim % g == 0 and quant.residual % g == 0]
+    return replace(quant, group_size=max(fits)) if fits else quant

@@ -12,7 +12,7 @@ and one KVRequest per request (eviction when asked for, the retained-block recor
 """
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +34,15 @@ def release(cache: Optional[list]) -> None:
     """Give a request's KV blocks back to their pool (a paged cache); a dense cache or None: nothing."""
     if cache and isinstance(cache[0], PagedKVCache):
         cache[0].sequence.release()
+
+
+def probe_kv_layout(model: nn.Module) -> Tuple[int, int, int, mx.Dtype]:
+    """(n_kv_heads, k_dim, v_dim, dtype) of the model's K/V: one token through its first layer's dense
+    mlx-lm cache (a forward of one token)."""
+    dense = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=dense)
+    keys, values = dense[0].keys, dense[0].values  # [1, n_kv, L, k_dim], [1, n_kv, L, v_dim]
+    return keys.shape[1], keys.shape[3], values.shape[3], keys.dtype
 
 
 class PagedKV:
@@ -86,10 +95,7 @@ class PagedKV:
             raise KVBudgetError(f"the KV budget of {self.pool.budget_text()} holds no KV block: raise kv_budget")
 
     def _probe_layout(self) -> None:
-        dense = make_prompt_cache(self.model)
-        self.model(mx.array([[0]]), cache=dense)
-        keys, values = dense[0].keys, dense[0].values  # [1, n_kv, L, k_dim], [1, n_kv, L, v_dim]
-        self.pool.configure(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        self.pool.configure(*probe_kv_layout(self.model))
 
     def check_fits(self, cache: List[PagedKVCache], prompt_tokens: int, new_tokens: int, evicting: bool) -> None:
         """Raise KVBudgetError (before prefill) when the request can never fit the budget: the prompt and

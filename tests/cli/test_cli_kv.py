@@ -91,4 +91,7 @@ def test_bench_kv_bits(run_cli):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["kv_bits"] == "4" and out["rows"][0]["identical"] and out["rows"][0]["tokens"] >= 1
+    proc = run_cli("bench", "Name three colors.", "-n", "4", "-t", "1", "-c", "2", "--kv-bits", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["kv_bits"] == "8"
     assert_user_error(run_cli("bench", "--kv-bits", "3", "-m", "/definitely/not/here.gguf"), "--kv-bits must be 8, 4")

@@ -219,6 +219,22 @@ def test_head_dim_the_kernels_cannot_take_is_a_clear_error(tmp_path):
         model(mx.array([[1, 2, 3]]), cache=make_quant_cache(model, kv_quant("8")))
 
 
+def test_group_size_fits_the_head_dim_when_not_chosen(tmp_path):
+    """A head dim of 96 (4 heads of 96, GQA 4:2): the default groups of 64 do not divide it, so configure_kv
+    picks groups of 32 and generation runs on the packed K/V; an explicit kv_group_size=64 is refused at
+    configure_kv, naming the size that fits, and the previous setting stays."""
+    spec = TinySpec("llama", hidden=384, heads=4, kv_heads=2)  # head_dim 96
+    engine = mlx_infer.load(str(write_gguf(tmp_path / "m.gguf", spec, random_weights(spec), Q.F32)), weights="native")
+    engine.configure_kv(kv_bits="4")
+    assert engine._quant.group_size == 32
+    out = engine.generate([5, 6, 7, 8], max_tokens=3, chat_template=False)
+    assert len(out.token_ids) == 3 and out.stats.kv_bits == "4"
+    assert out.stats.kv_bytes_per_token == 2 * 2 * 2 * (96 / 2 + 3 * 2 * 2)  # 2 layers x K, V x 2 heads
+    with pytest.raises(MlxInferError, match="this model's is 96: try kv_group_size=32 or float KV"):
+        engine.configure_kv(kv_bits="4", kv_group_size=64)
+    assert engine._quant.group_size == 32
+
+
 @pytest.fixture(scope="module")
 def engine(default_gguf):
     return mlx_infer.load()
