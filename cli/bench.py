@@ -15,11 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mlx_infer.errors import MlxInferError
+from mlx_infer.kv.quant_options import kv_quant
 from mlx_infer.speculative import MODEL_MODES, MODES
 
 from .errors import user_errors
-from mlx_infer.kv.quant_options import kv_quant
-
 from .options import (
     DraftModelOpt, KVBitsOpt, MaxDraftOpt, ModelOpt, RmmOpt, VerboseOpt, Weights, WeightsOpt, check_rmm, spec_kwargs,
 )

@@ -35,7 +35,9 @@ CLI_EXITS = (typer.Exit, typer.Abort, click_exceptions.ClickException)
 #: The library's keyword names that its messages use, and the command line's flags for them.
 PYTHON_FLAGS = {"kv_budget": "--kv-budget", "max_tokens": "--max-tokens", "kv_quant_start": "--kv-quant-start",
                  "kv_cache": "--kv-cache", "kv_bits": "--kv-bits", "kv_scheme": "--kv-scheme", "evict": "--evict"}
-_PYTHON_NAME = re.compile(r"(?<![\w-])(kv_budget|max_tokens|kv_quant_start|kv_cache|kv_bits|kv_scheme|evict(?==))"
+#: A keyword of PYTHON_FLAGS in a message, with its value when written name=value ("evict" only then: the
+#: word alone is the verb).
+_PYTHON_NAME = re.compile(r"(?<![\w-])(" + "|".join(n for n in PYTHON_FLAGS if n != "evict") + r"|evict(?==))"
                           r"(?:=(?:'([^']*)'|([\w.:]+)))?")
 
 

@@ -1,6 +1,5 @@
 """Flags shared by `generate`, `chat`, `bench` and `serve`, and the SamplingParams built from them."""
 
-import re
 from enum import Enum
 from typing import Annotated, List, Optional
 
@@ -234,7 +233,8 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
               kv_quant_start: str = "0") -> tuple:
     """(load kwargs, request kwargs) from the KV flags: kv_cache / kv_budget / block_size / kv_bits /
     kv_scheme / kv_quant_start for Engine.configure_kv, evict / repack for each request. Raises
-    MlxInferError naming the bad flag (before the model loads)."""
+    MlxInferError naming the bad flag (before the model loads; the library's checks name their keyword,
+    which errors.report words as the flag)."""
     try:
         kind = check_kv_cache(kv_cache)
     except MlxInferError:
@@ -243,10 +243,7 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
         size = check_block_size(block_size)
     except MlxInferError:
         raise MlxInferError(f"--block-size must be an integer >= 1 (tokens per KV block), got {block_size!r}") from None
-    try:
-        budget = parse_budget(kv_budget)
-    except MlxInferError as e:
-        raise MlxInferError("--" + str(e).replace("_", "-", 1)) from None
+    budget = parse_budget(kv_budget)  # its messages name kv_budget: the CLI reports them as --kv-budget
     try:
         spec = parse_evict(evict)
     except MlxInferError as e:
@@ -261,20 +258,9 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     if spec is not None and mode not in ("off", "auto"):
         raise MlxInferError(f"--evict with --spec {mode} is not supported yet: use --spec off or auto "
                             "(which then decodes plainly)")
-    try:
-        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start)
-    except MlxInferError as e:
-        message = str(e)
-        for name in ("kv_quant_start", "kv_scheme", "kv_bits"):
-            message = message.replace(name, "--" + name.replace("_", "-"))
-        raise MlxInferError(message) from None
+    quant = kv_quant(kv_bits, kv_scheme, kv_quant_start)  # (errors in the library's names: see errors.flag_words)
     if quant is not None and kind == "paged":
-        try:
-            check_paged_quant(quant)
-        except MlxInferError as e:  # the Python names as flags
-            message = re.sub(r"(kv_scheme|kv_cache|kv_quant_start)[=]'?([a-z0-9]+)'?",
-                             lambda m: f"--{m.group(1).replace('_', '-')} {m.group(2)}", str(e))
-            raise MlxInferError(message) from None
+        check_paged_quant(quant)
     request = {"evict": str(spec), "repack": value == "on"} if spec is not None else {}
     options = {"kv_cache": kind, "kv_budget": budget, "block_size": size}
     if quant is not None:

@@ -95,9 +95,10 @@ class Engine:
     blocks, affine scheme from the first token only): kv_bits (8, 4 or
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
     keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
-    kept in float first), kv_group_size (64, or 32 for a head dim 64 does not divide), kv_residual (KIVI's float window, 64), kv_rotate (affine: each
-    group of K/V values Hadamard-rotated before quantizing; None: the 4-bit stores, kv/rotation.py). Attention then
-    reads the packed K/V through the kernel layer's fused quant_attention.
+    kept in float first), kv_group_size (None: 64, or 32 when 64 does not divide the model's head
+    dims), kv_residual (KIVI's float window, 64), kv_rotate (affine: each group of K/V values
+    Hadamard-rotated before quantizing; None: the 4-bit stores, kv/rotation.py). Attention then reads the
+    packed K/V through the kernel layer's fused quant_attention.
 
     RMM (`mlx_infer.load(rmm=...)`, arXiv 2608.13426; lossy): the model's linear layers were reduced when it
     was loaded; the attention products (qk, pv) are reduced inside each single request (batched decoding
@@ -129,7 +130,7 @@ class Engine:
         self._kv: Optional[PagedKV] = None
         self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
         self._quant: Optional[KVQuant] = None
-        self._kv_dims: Optional[tuple] = None  # (k_dim, v_dim) of the model's K/V, probed when first needed
+        self._kv_layout: Optional[tuple] = None  # (n_kv, k_dim, v_dim, dtype) of the model's K/V, probed once
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
 
@@ -153,15 +154,16 @@ class Engine:
         quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, KV_GROUP_SIZE if kv_group_size is None else kv_group_size,
                          kv_residual, kv_rotate)
         if quant is not None:  # the model's head dims, known now: a group size that fits, or the error here
-            if self._kv_dims is None:
-                self._kv_dims = probe_kv_layout(self.model)[1:3]
-            quant = fit_group_size(quant, *self._kv_dims) if kv_group_size is None else quant
-            check_head_dims(quant, *self._kv_dims)
+            if self._kv_layout is None:
+                self._kv_layout = probe_kv_layout(self.model)
+            dims = self._kv_layout[1:3]
+            quant = fit_group_size(quant, *dims) if kv_group_size is None else quant
+            check_head_dims(quant, *dims)
         if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
             raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
         if kind == "paged" and quant is not None:
             check_paged_quant(quant)  # KIVI or a float prefix: a one-line error
-        kv = PagedKV(self.model, budget, size, quant) if kind == "paged" else None
+        kv = PagedKV(self.model, budget, size, quant, self._kv_layout) if kind == "paged" else None
         if kv is not None and budget is not None:
             kv.check_budget()  # a budget under one block fails here, the previous setting kept
         self.reset()
@@ -480,7 +482,7 @@ class Engine:
         if self._kv is not None:
             return self._kv
         if self._batch_pool is None:
-            self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE, self._quant)
+            self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE, self._quant, self._kv_layout)
         return self._batch_pool
 
     def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit, speculative: str = "off") -> BatchRequest:

@@ -53,15 +53,20 @@ class PagedKV:
         budget_bytes: most bytes the pool may hold over all layers, K and V (None: no limit).
         block_size: tokens per block.
         quant: quantized blocks (the affine scheme; kv.quant_options.check_paged_quant), None for float.
+        layout: the model's (n_kv_heads, k_dim, v_dim, dtype) when the caller has probed it already
+            (probe_kv_layout); None: probed before the first request (ensure_layout).
 
     Raises:
-        MlxInferError: a quant the paged cache cannot hold (KIVI, a float prefix).
+        MlxInferError: a quant the paged cache cannot hold (KIVI, a float prefix), or head dims it cannot
+            pack.
     """
 
     def __init__(self, model: nn.Module, budget_bytes: Optional[int], block_size: int,
-                 quant: Optional[KVQuant] = None):
+                 quant: Optional[KVQuant] = None, layout: Optional[Tuple[int, int, int, mx.Dtype]] = None):
         self.model = model
         self.pool = make_pool(model, quant, block_size=block_size, budget_bytes=budget_bytes)
+        if layout is not None:
+            self.pool.configure(*layout)
         self.prefix = PrefixCache(self.pool)  # shared full blocks (batched requests: BatchScheduler)
         self.stream = mx.new_stream(mx.default_device())  # the repacker's copies (one per engine)
 
