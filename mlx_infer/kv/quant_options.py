@@ -55,7 +55,9 @@ class KVQuant:
         rotated = (self.rotate_k, self.rotate_v)
         if rotated == default_rotation(self.k_bits, self.v_bits):
             return bits
-        return bits + ("@rot" if all(rotated) else "@norot" if not any(rotated) else f"@rot{'k' if self.rotate_k else 'v'}")
+        if all(rotated) or not any(rotated):
+            return bits + ("@rot" if all(rotated) else "@norot")
+        return bits + ("@rotk" if self.rotate_k else "@rotv")
 
 
 def default_rotation(k_bits: int, v_bits: int) -> Tuple[bool, bool]:
@@ -98,7 +100,7 @@ def kv_quant(kv_bits: Union[None, int, str], kv_scheme: str = "affine", kv_quant
     Raises:
         MlxInferError: a bad kv_bits, an unknown scheme, a negative start, a group size other than 32 / 64
             / 128, or a KIVI residual that is not a multiple of the group size; kv_rotate not a bool, or
-            True with KIVI; or a scheme / start given without kv_bits.
+            True with KIVI; or a scheme, start, rotation or group size given without kv_bits.
     """
     bits = parse_kv_bits(kv_bits)
     scheme = str(kv_scheme).strip().lower()
