@@ -2,6 +2,8 @@
 
     python bench/kv.py                     # H2O, Scissorhands, StreamingLLM x ratios 0.3 / 0.5 / 0.7
     python bench/kv.py --prompt 512 --tokens 64 --budget 256MiB --policies h2o --ratios 0.5
+    python bench/kv.py --tiny-context 16384 --prompt 16000 --tokens 64 --ratios 0.5 --policies h2o,scissorhands
+    python bench/kv.py --batched 16 --prompt 256 --tokens 768 --budget 360MiB --policies h2o --ratios 0.5
 
 On the default model: one wikitext window (bench/kv_core.py's wikitext_ids) as the prompt, greedy, `--tokens`
 generated; first with the full cache (the paged cache without eviction), then per policy and ratio with
@@ -12,16 +14,33 @@ empty). Columns: retained blocks per request, time average over the decode steps
 (budget / peak blocks, and budget / max decode blocks: the steady state once the prefills are done),
 greedy agreement with the full cache (fraction of equal tokens position by position, and the length of the
 common prefix) and decode tokens/s. The machine may be shared: tokens/s are indicative only.
+
+--tiny-context N runs the same on a tiny random-weight llama (tests/gguf_factory.py: 2 layers, 2 KV heads of
+16) whose context window is N tokens, for long-context configs the default model (8,192 tokens) cannot
+hold; its agreement columns mean nothing (random weights), its blocks are what eviction and repacking
+leave.
+
+--batched N instead decodes N requests together (Engine.generate_batch, continuous batching; wikitext
+windows at different offsets) under the --budget, with the full cache, then per policy and ratio with
+Naive-Evict and with vToken: the most requests decoding at once (from each request's first-token and end
+times), total tokens/s (all tokens / wall seconds, prefill included) and the mean retained blocks per
+request. Admission reserves each request's worst case in blocks: every token without eviction and with
+Naive-Evict (which frees only empty blocks), the most tokens it keeps live with vToken (repacked on
+demand), which is how more requests fit the same budget.
 """
 
 import argparse
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import mlx_infer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import machine, write_result  # noqa: E402
+from gguf_factory import TinySpec, random_weights, write_gguf  # noqa: E402
 from kv_core import wikitext_ids  # noqa: E402
 
 from mlx_infer.engine import common_prefix  # noqa: E402
@@ -54,6 +73,51 @@ def row(name, ratio, system, r, full, budget_blocks, block_bytes):
     }
 
 
+def max_overlap(intervals):
+    """The most intervals (start, end) open at once."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
+
+
+def batched_rows(engine, args):
+    """--batched: N requests decoding together under the budget, per eviction setting (the engine's KV
+    configured with it first)."""
+    prompts = [wikitext_ids(engine.tokenizer, args.prompt, skip_chars=args.skip + 4000 * i) for i in range(args.batched)]
+    settings = [("full", None, True)]
+    for name in args.policies.split(","):
+        for ratio in (float(x) for x in args.ratios.split(",")):
+            settings += [("naive", f"{name}:{ratio:g}", False), ("vtoken", f"{name}:{ratio:g}", True)]
+    rows = []
+    for system, evict, repack in settings:
+        engine.reset()
+        t0 = time.perf_counter()
+        out = engine.generate_batch(prompts, max_tokens=args.tokens, chat_template=False, evict=evict,
+                                    repack=repack, max_batch=args.batched, prefix_cache=False)
+        wall = time.perf_counter() - t0
+        tokens = sum(r.stats.generated_tokens for r in out)
+        kv = [r.stats.kv for r in out if r.stats.kv is not None]
+        rows.append({"system": system, "evict": evict, "requests": len(out), "tokens": tokens,
+                     "wall_s": round(wall, 2), "total_tps": round(tokens / wall, 1),
+                     "max_concurrent": max_overlap([(r.stats.ttft_s, r.stats.total_s) for r in out]),
+                     "blocks_mean": round(sum(k["retained_blocks"] for k in kv) / len(kv), 1) if kv else None,
+                     "repacks": sum(k["repacks"] for k in kv) if kv else None})
+        print(rows[-1], flush=True)
+    full = rows[0]["max_concurrent"]
+    for r in rows:
+        r["concurrency_vs_full"] = round(r["max_concurrent"] / full, 2)
+    return rows
+
+
+def tiny_model(context: int, folder: Path) -> str:
+    """A tiny random-weight llama GGUF whose context window is `context` tokens (tests/gguf_factory.py)."""
+    spec = TinySpec("llama", context=context)
+    return str(write_gguf(folder / f"tiny-llama-{context}.gguf", spec, random_weights(spec, seed=0)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=512, help="wikitext prompt tokens")
@@ -64,8 +128,31 @@ def main():
     ap.add_argument("--ratios", default="0.3,0.5,0.7")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--weights", default="float32")
+    ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
+    ap.add_argument("--tiny-context", type=int, default=None, metavar="N",
+                    help="a tiny random-weight llama with an N-token context instead of --model")
+    ap.add_argument("--batched", type=int, default=None, metavar="N",
+                    help="N requests decoding together under --budget (see above)")
     args = ap.parse_args()
-    engine = mlx_infer.load(weights=args.weights, kv_cache="paged", block_size=args.block_size)
+    folder = tempfile.TemporaryDirectory()
+    model = tiny_model(args.tiny_context, Path(folder.name)) if args.tiny_context else args.model
+    label = f"tiny llama ({args.tiny_context}-token context)" if args.tiny_context else (args.model or "default model")
+    engine = mlx_infer.load(model, weights=args.weights, kv_cache="paged", block_size=args.block_size)
+    if args.batched:
+        engine.configure_kv(kv_cache="paged", kv_budget=args.budget, block_size=args.block_size)
+        budget_blocks = engine.kv_pool.max_blocks
+        rows = batched_rows(engine, args)
+        cols = ["system", "evict", "requests", "max_concurrent", "concurrency_vs_full", "total_tps", "wall_s",
+                "blocks_mean", "repacks"]
+        print(f"{label}, {args.batched} requests of {args.prompt} wikitext tokens + {args.tokens} generated, "
+              f"block {args.block_size}, budget {args.budget} = {budget_blocks} blocks")
+        print(" | ".join(cols))
+        for r in rows:
+            print(" | ".join(str(r.get(c)) for c in cols))
+        result = {"machine": machine(), "command": " ".join(sys.argv), "model": label, "rows": rows,
+                  "budget": args.budget, "budget_blocks": budget_blocks}
+        print("wrote", write_result("kv-batched", result))
+        return
     prompt = wikitext_ids(engine.tokenizer, args.prompt, skip_chars=args.skip)
     full = run(engine, prompt, args.tokens)
     block_bytes = engine.kv_pool.block_bytes
@@ -88,13 +175,13 @@ def main():
     cols = ["policy", "ratio", "system", "blocks_mean", "blocks_end", "blocks_max", "peak_kv_mb",
             "max_requests_peak", "max_requests_decode", "live_end", "repacks", "agreement", "common_prefix",
             "decode_tps"]
-    print(f"default model, prompt {args.prompt} wikitext tokens, {args.tokens} generated, block {args.block_size}, "
+    print(f"{label}, prompt {args.prompt} wikitext tokens, {args.tokens} generated, block {args.block_size}, "
           f"budget {args.budget} = {budget_blocks} blocks of {block_bytes} bytes")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c)) for c in cols))
     print("Naive-Evict and vToken tokens identical:", "yes" if not mismatched else f"NO for {mismatched}")
-    result = {"machine": machine(), "command": " ".join(sys.argv), "prompt_tokens": args.prompt,
+    result = {"machine": machine(), "command": " ".join(sys.argv), "model": label, "prompt_tokens": args.prompt,
               "tokens": args.tokens, "budget": args.budget, "budget_blocks": budget_blocks,
               "block_bytes": block_bytes, "weights": args.weights, "rows": rows, "naive_vtoken_mismatch": mismatched}
     print("wrote", write_result("kv", result))

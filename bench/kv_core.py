@@ -154,14 +154,14 @@ def bench_observe(args, engine):
         mx.eval([c.state for c in cache])
         token = mx.array([[prompt[-1]]])
         with QueryTap(model) as tap:
-            obs = AttentionObserver(tap, cache)
+            obs = AttentionObserver(tap.scales, cache)
             t0 = time.perf_counter()
             for _ in range(args.tokens):
                 logits = model(token, cache=cache)
                 token = mx.argmax(logits[:, -1:], axis=-1)
                 mx.eval(token)
                 if observe:
-                    obs.record()
+                    obs.record(tap.queries())
                     if obs.due():
                         obs.stats()
             dt = time.perf_counter() - t0
@@ -243,14 +243,14 @@ def bench_retained(args, engine):
         naive_blocks = []
         t0 = time.perf_counter()
         with QueryTap(model) as tap:
-            obs = AttentionObserver(tap, cache, period=1, window=args.chunk)
+            obs = AttentionObserver(tap.scales, cache, period=1, window=args.chunk)
             repacker = Repacker(low_watermark=None)
             ctl = EvictionController(seq, make_policy(name), args.ratio, obs, repacker)
             bounds = [0, args.prefill] + list(range(args.prefill + args.chunk, args.window, args.chunk)) + [args.window]
             for a, b in zip(bounds[:-1], bounds[1:]):
                 mx.eval(model(mx.array(ids[a:b])[None], cache=cache))
                 naive.append(b - a)
-                ctl.step()
+                ctl.step(tap.queries())
                 naive.evict(np.setdiff1d(naive.live_tokens(), seq.table.live_tokens()))
                 naive_blocks.append(len(naive.blocks))
         mx.eval(pool.keys + pool.values)

@@ -16,8 +16,8 @@ from mlx_infer.speculative import MODES
 
 from .errors import user_errors
 from .options import (
-    BlockSizeOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, ModelOpt, VerboseOpt, Weights, WeightsOpt, check_rmm,
-    kv_kwargs, spec_kwargs,
+    BlockSizeOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, ModelOpt, RepackOpt, VerboseOpt, Weights, WeightsOpt,
+    check_rmm, kv_kwargs, spec_kwargs,
 )
 from .progress import load_engine, prepare_speculation, stderr
 
@@ -100,6 +100,8 @@ def serve(
              "decode plainly). Default off: on a CPU, auto measured 0.88-0.96x on chat and code prompts "
              "(docs/serving.md).")] = "off",
     kv_budget: KVBudgetOpt = None,
+    evict: EvictOpt = None,
+    repack: RepackOpt = "on",
     block_size: BlockSizeOpt = str(BLOCK_SIZE),
     kv_bits: KVBitsOpt = None,
     rmm: LinearRmmOpt = None,
@@ -112,22 +114,24 @@ def serve(
     Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory: a
     request waits while the budget is full, and one that could never fit gets a 400). Batched decoding runs
     on the paged KV blocks, quantized with --kv-bits (8, 4, kXvY: the affine scheme; the KV budget then holds
-    ~1.9x / ~3.6x the tokens of float16), and reduces only linear layers (--rmm without qk / pv). Binds
+    ~1.9x / ~3.6x the tokens of float16), and reduces only linear layers (--rmm without qk / pv). With
+    --evict every request evicts as it decodes; with repacking on (vToken) it reserves only the KV blocks
+    of the tokens it keeps, so more requests fit the budget. Binds
     127.0.0.1 unless told otherwise. Ctrl-C stops it, cutting open requests after a few seconds.
     """
     with user_errors(verbose):
         if not is_loopback(host) and not api_key:
             raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "
                                 "or bind 127.0.0.1")
-        load_kw, _ = kv_kwargs("paged", kv_budget, None, "on", block_size, {}, kv_bits)  # quantized blocks with --kv-bits
         speculative = serve_spec(spec)
+        load_kw, kv_request = kv_kwargs("paged", kv_budget, evict, repack, block_size, speculative, kv_bits)
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm, "serve"))
         check_port(host, port)  # before the measurements and the "serving" line
         engine.configure_kv(**load_kw)
         prepare_speculation(engine, speculative)  # the one-time measurements before the first request
         runner = engine.batch_runner(max_batch)
         config = ServerConfig(model_id=engine.source.name, api_key=api_key, max_tokens_limit=max_tokens_limit,
-                              max_queue=max_queue, speculative=speculative.get("speculative", "off"))
+                              max_queue=max_queue, speculative=speculative.get("speculative", "off"), **kv_request)
         try:
             shown = f"[{host}]" if ":" in host else host
             reduced = f" (rmm {engine.source.rmm}, lossy)" if engine.source.rmm is not None else ""

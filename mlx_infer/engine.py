@@ -27,6 +27,7 @@ from .generation.results import GenerationResult, GenerationStats, GenerationSte
 from .generation.sampling import SamplingParams
 from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
+from .kv.observe import QueryTap
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
 from .kv.quant_cache import kv_bytes_per_token, make_quant_cache
 from .kv.quant_options import KVQuant, check_head_dims, check_paged_quant, fit_group_size, kv_quant
@@ -350,14 +351,18 @@ class Engine:
         with wired_limit(self.model, [generation_stream]):
             yield from self._steps(prompt_ids, params, max_tokens, options, progress, eviction, repack)
 
-    def _check_evict(self, evict: Optional[str], repack: bool, options: SpecOptions) -> Optional[EvictSpec]:
-        """The request's EvictSpec (None: no eviction); raises MlxInferError for a bad one or a bad pairing."""
+    def _check_evict(self, evict: Optional[str], repack: bool, options: SpecOptions,
+                     batched: bool = False) -> Optional[EvictSpec]:
+        """The request's EvictSpec (None: no eviction); raises MlxInferError for a bad one or a bad pairing
+        (batched: the request runs on the batch's paged pool, whichever cache the engine keeps), and
+        UnsupportedModelError for a model whose attention the query tap cannot reach."""
         spec = parse_evict(evict)
         if not isinstance(repack, bool):
             raise MlxInferError(f"repack must be True or False, got {repack!r}")
         if spec is None:
             return None
-        if self._kv is None:
+        QueryTap(self.model)  # raises for a model whose attention statistics cannot be collected
+        if self._kv is None and not batched:
             raise MlxInferError("evict needs the paged KV cache: load with kv_cache='paged' (CLI: --kv-cache paged)")
         if options.on and options.mode != "auto":
             raise MlxInferError(f"eviction with speculative decoding is not supported yet: use speculative='off' "
@@ -485,18 +490,23 @@ class Engine:
             self._batch_pool = PagedKV(self.model, None, BLOCK_SIZE, self._quant, self._kv_layout)
         return self._batch_pool
 
-    def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit, speculative: str = "off") -> BatchRequest:
-        """A validated BatchRequest (any thread: no MLX work but its random key)."""
+    def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit, speculative: str = "off",
+                       evict: Optional[str] = None, repack: bool = True) -> BatchRequest:
+        """A validated BatchRequest (any thread: no MLX work but its random key). With evict, speculative
+        must be "off" or "auto" (which then decodes plainly), as stream_steps."""
         if not isinstance(params, SamplingParams):
             raise MlxInferError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_ids, str) or not all(isinstance(t, int) for t in prompt_ids):
             raise MlxInferError("a batched request takes token ids: pass engine.encode(text_or_messages)")
         params = params.for_vocab(self.vocab_size)
         options = self._spec_options(speculative, None, "auto")
+        eviction = self._check_evict(evict, repack, options, batched=True)
+        if eviction is not None:
+            options = self._spec_options("off", None, "auto")
         prompt_ids = self.encode_fitting(list(prompt_ids))
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
-                            self.tokenizer.eos_token_ids, emit, options, self.source.rmm)
+                            self.tokenizer.eos_token_ids, emit, options, self.source.rmm, eviction, repack)
 
     def _solo_tokens(self, req: BatchRequest) -> Optional[Iterator[int]]:
         """The speculative iterator of a batched request running alone (BatchScheduler `solo`): its cache
@@ -519,16 +529,18 @@ class Engine:
     def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchRunner:
         """A continuous-batching decode loop on its own thread: `submit(prompt_ids, params)` from any thread
         returns a RequestHandle to stream from or cancel (what the server uses); `submit(...,
-        speculative="auto")` decodes speculatively while the request runs alone. While it runs, use the engine
+        speculative="auto")` decodes speculatively while the request runs alone; `submit(...,
+        evict="h2o:0.5")` evicts as generate_batch. While it runs, use the engine
         only through it. Close it (or use it as a context manager) when done."""
         return BatchRunner(self.scheduler(max_batch, prefix_cache), self._batch_request)
 
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
-                       prefix_cache: bool = True, speculative: str = "off", **sampling) -> List[GenerationResult]:
+                       prefix_cache: bool = True, speculative: str = "off", evict: Optional[str] = None,
+                       repack: bool = True, **sampling) -> List[GenerationResult]:
         """Generate answers to several prompts decoding together (continuous batching: at most max_batch at
-        once, newcomers admitted as others finish or as the KV budget allows). Batched rows decode plainly
-        (eviction is not supported here); greedy answers equal `generate`'s up to float rounding of the
+        once, newcomers admitted as others finish or as the KV budget allows). Batched rows decode plainly,
+        evicting tokens when asked; greedy answers equal `generate`'s up to float rounding of the
         batched matmul, seeded ones draw from their own random key (as `generate` with that seed; with
         speculative decoding off: a speculating request draws differently, from the same distribution).
 
@@ -540,13 +552,18 @@ class Engine:
                 `scheduler`).
             speculative: a mode of `stream_steps` ("off", "lookup", "auto", ...), used by a request while it
                 runs alone (the last one of a batch, a lone prompt); batched requests decode plainly.
+            evict: "POLICY:RATIO" for every request, as `stream_steps` (its tokens equal the same request's
+                alone, up to float rounding; stats.kv per request); with repack (vToken) a request reserves
+                only the KV blocks of the tokens it keeps, so more requests fit one budget. Not with a
+                speculative mode but "off" / "auto". No prefix cache for evicting requests.
+            repack: with evict: vToken repacking (True) or Naive-Evict (False, which reserves every token).
 
         Returns:
             one GenerationResult per prompt, in order (stats.ttft_s counts from the call).
 
         Raises:
-            MlxInferError: a bad prompt or parameter, params of another length than prompts; KVBudgetError:
-                a request that can never fit the KV budget (before anything runs).
+            MlxInferError: a bad prompt or parameter (evict as `stream_steps`), params of another length than
+                prompts; KVBudgetError: a request that can never fit the KV budget (before anything runs).
         """
         if isinstance(prompts, str):
             raise MlxInferError("generate_batch takes a list of prompts; for one prompt use generate, or pass [prompt]")
@@ -560,7 +577,8 @@ class Engine:
         ids = [self.encode_fitting(p, system, chat_template) for p in prompts]
         sched = self.scheduler(max_batch, prefix_cache)
         steps: List[list] = [[] for _ in prompts]
-        requests = [self._batch_request(i, p, s.append, speculative) for i, p, s in zip(ids, params, steps)]
+        requests = [self._batch_request(i, p, s.append, speculative, evict, repack)
+                    for i, p, s in zip(ids, params, steps)]
         for r in requests:
             sched.check_fits(r)
         for r in requests:

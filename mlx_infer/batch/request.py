@@ -9,6 +9,8 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from ..generation.assemble import StepAssembler
 from ..generation.results import GenerationStats, GenerationStep
 from ..generation.sampling import SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler
+from ..kv.options import EvictSpec
+from ..kv.session import KVRequest
 from ..speculative import SpecOptions, SpecStats
 
 Emit = Callable[[Union[GenerationStep, BaseException]], None]
@@ -28,6 +30,9 @@ class BatchRequest:
         speculative: SpecOptions of speculative decoding while the request runs alone (None or mode "off":
             never); its SpecStats are in `spec`.
         rmm: the model's RMM retention in canonical form (str(Retention)), reported in the stats; None when exact.
+        evict: token eviction while it decodes in the batch (EvictSpec; None: none), with vToken repacking
+            (`repack`) or Naive-Evict; the scheduler gives it a KVRequest (`kv`) when admitted, whose
+            stats become GenerationStats.kv. An evicting request never speculates and shares no prefix.
 
     With a seed, the request draws from its own MLX random key (mx.random.key(seed)), so its samples do not
     depend on what else is in the batch, and equal a single request's with the same seed.
@@ -35,8 +40,10 @@ class BatchRequest:
 
     def __init__(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
                  detokenizer: StreamingDetokenizer, eos, emit: Emit, speculative: Optional[SpecOptions] = None,
-                 rmm: Optional[str] = None):
+                 rmm: Optional[str] = None, evict: Optional[EvictSpec] = None, repack: bool = True):
         self.prompt_ids = list(prompt_ids)
+        self.evict, self.repack = evict, repack
+        self.kv: Optional[KVRequest] = None  # its eviction and block record, once admitted (evicting only)
         self.rmm = rmm
         self.params = params
         self.max_tokens = max_tokens
@@ -127,6 +134,7 @@ class BatchRequest:
             kv_bits=str(pool.quant) if pool is not None and pool.quant is not None else None,
             kv_bytes_per_token=float(pool.num_layers * pool.token_bytes) if pool is not None else 0.0,
             rmm=self.rmm,
+            kv=self.kv.stats() if self.kv is not None else None,
         )
         if self.spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = self.spec.mode or "off", self.spec.tau, self.spec.rounds

@@ -84,8 +84,8 @@ class BatchRunner:
 
     Args:
         scheduler: the BatchScheduler (used by this thread only from now on).
-        make_request: (prompt_ids, params, emit, speculative) -> BatchRequest, validating on the caller's
-            thread.
+        make_request: (prompt_ids, params, emit, speculative, evict, repack) -> BatchRequest, validating on
+            the caller's thread.
     """
 
     def __init__(self, scheduler: BatchScheduler, make_request: Callable[..., BatchRequest]):
@@ -97,11 +97,13 @@ class BatchRunner:
         self._thread.start()
         _OPEN.add(self)
 
-    def submit(self, prompt_ids, params, on_step: Optional[Callable] = None, speculative: str = "off") -> RequestHandle:
+    def submit(self, prompt_ids, params, on_step: Optional[Callable] = None, speculative: str = "off",
+               evict: Optional[str] = None, repack: bool = True) -> RequestHandle:
         """Queue a request (token ids and SamplingParams); returns its handle at once. on_step: called on the
         runner's thread with each GenerationStep (or the exception that failed the request) instead of
         queueing them in the handle (e.g. to hand them to an event loop); the handle still cancels.
         speculative: a mode of Engine.stream_steps, used while the request runs alone (BatchScheduler solo).
+        evict, repack: token eviction as Engine.generate_batch ("POLICY:RATIO" or None).
 
         Raises:
             MlxInferError: the runner is closed, or the request is invalid (as Engine.stream_steps);
@@ -110,7 +112,7 @@ class BatchRunner:
         if self._closed.is_set():
             raise MlxInferError("the batch runner is closed")
         handle = RequestHandle()
-        handle.request = self._make_request(prompt_ids, params, on_step or handle._put, speculative)
+        handle.request = self._make_request(prompt_ids, params, on_step or handle._put, speculative, evict, repack)
         handle._runner = self
         self.scheduler.check_fits(handle.request)
         self._inbox.put(handle.request)

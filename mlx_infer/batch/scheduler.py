@@ -12,12 +12,20 @@ Admission reserves a request's worst case, ceil((prompt + max_tokens) / block_si
 it shares from the prefix cache; idle cached blocks are freed to make room), so a running
 request never runs out of KV blocks mid-decode (no preemption needed); a request whose worst case exceeds the
 whole budget is refused at submit (KVBudgetError), one that fits later waits.
+
+A request may evict tokens as it decodes (its EvictSpec: vToken, arXiv 2608.13263, as a lone request on
+the paged cache): after each decode forward that includes it, its KVRequest gets its row of the forward's
+queries (one QueryTap on the model for the batch) and evicts and repacks as Engine.stream_steps does, at
+the same points, so its tokens equal those of the same request alone. With repacking on it reserves only
+the blocks of the most tokens it keeps live (kv.session.reserved_blocks): when the pool lacks the blocks a
+prefill or a decode step needs, the evicting requests are repacked at once (KVRequest.compact), which the
+reservations guarantee makes the room. That is where eviction lets more requests run in the same budget.
 """
 
 import math
 import time
 from collections import deque
-from typing import Callable, Deque, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,7 +35,8 @@ from ..errors import MlxInferError
 from ..kv.attention_hook import install as install_attention_hook
 from ..kv.batch import BatchStep, fused_attention_applies
 from ..kv.errors import KVBudgetError
-from ..kv.session import PagedKV, release
+from ..kv.observe import QueryTap
+from ..kv.session import KVRequest, PagedKV, release, reserved_blocks
 from .request import BatchRequest
 
 
@@ -67,16 +76,20 @@ class BatchScheduler:
         kv.check_budget()  # KVBudgetError for a budget that holds no block
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
         self._fused = install_attention_hook(model) > 0  # batched steps may attend on the paged kernel (kv/batch.py)
+        self._tap: Optional[QueryTap] = None  # the queries of a forward with evicting requests (made on first use)
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self._inflight or self._solo)
 
-    def blocks_needed(self, req: BatchRequest) -> int:
+    def blocks_needed(self, req: BatchRequest, evicted: bool = False) -> int:
         """The request's worst case in blocks: its prompt and max_tokens (and, speculating, a verify's draft
-        tokens beyond them)."""
+        tokens beyond them); evicting with repacking, before its first eviction the prompt's blocks, after it
+        (`evicted`) the blocks of the most tokens it keeps live (kv.session.reserved_blocks)."""
         extra = DEFAULT_MAX_DRAFT + 1 if req.speculative is not None else 0
-        return math.ceil((len(req.prompt_ids) + req.max_tokens + extra) / self.kv.block_size)
+        before, after = reserved_blocks(req.evict, req.repack, len(req.prompt_ids), req.max_tokens + extra,
+                                        self.kv.block_size)
+        return after if evicted else before
 
     def check_fits(self, req: BatchRequest) -> None:
         """Raise KVBudgetError when the request's prompt and max_tokens can never fit the KV budget (reads
@@ -85,8 +98,8 @@ class BatchScheduler:
         if most is not None and need > most:
             raise KVBudgetError(
                 f"the request needs {need} KV blocks of {self.kv.block_size} tokens ({len(req.prompt_ids)} prompt + "
-                f"{req.max_tokens} new) but the KV budget of {self.kv.pool.budget_text()} holds "
-                f"{most}: raise kv_budget or lower max_tokens")
+                f"{req.max_tokens} new) but the KV budget of {self.kv.pool.budget_text()} holds {most}",
+                "raise kv_budget or lower max_tokens")
 
     def add(self, req: BatchRequest) -> None:
         """Queue a request. Raises KVBudgetError as check_fits."""
@@ -101,18 +114,38 @@ class BatchScheduler:
         """Give the request its cache (starting from the longest cached prefix of its prompt) and reserve its
         blocks, freeing idle cached blocks if that makes room; False (nothing changed) when it must wait."""
         cache = self.kv.new_cache()
-        shared = self.kv.prefix.lookup(req.prompt_ids) if self.prefix_cache else []
+        # an evicting request shares no prefix: its blocks are repacked, and its cache stops matching a prefill
+        shared = self.kv.prefix.lookup(req.prompt_ids) if self.prefix_cache and req.evict is None else []
         cache[0].sequence.adopt(shared)  # its own reference: make_room cannot free them now
         need = self.blocks_needed(req) - len(shared)
-        pool, wanted = self.kv.pool, need + self._promised()
-        if pool.free_blocks is not None and wanted > pool.free_blocks:
-            self.kv.prefix.make_room(wanted)
-            if wanted > pool.free_blocks:
-                release(cache)
-                return False
+        if not self._make_room(need, promised=True):
+            release(cache)
+            return False
         req.cache, req.reserved_blocks = cache, len(shared) + need
         req.cached_tokens = len(shared) * self.kv.block_size
+        if req.evict is not None:
+            req.kv = KVRequest(self.kv, cache, req.evict, req.repack)
         return True
+
+    def _make_room(self, blocks: int, promised: bool = False) -> bool:
+        """Whether `blocks` are free in the pool (with `promised`: beyond the blocks running requests may still
+        allocate, _promised), after freeing idle cached blocks and then repacking the evicting requests if
+        needed (KVRequest.compact)."""
+        pool = self.kv.pool
+        if pool.free_blocks is None:
+            return True
+
+        def room() -> int:
+            return pool.free_blocks - (self._promised() if promised else 0)
+
+        if room() < blocks:
+            self.kv.prefix.make_room(blocks + pool.free_blocks - room())
+        for r in self.running:
+            if room() >= blocks:
+                break
+            if r.kv is not None:
+                r.kv.compact()
+        return room() >= blocks
 
     def step(self) -> None:
         """Admit, prefill, and decode once (see the module docstring); emits each request's steps."""
@@ -133,13 +166,15 @@ class BatchScheduler:
             admitted.append(req)
         if admitted:
             try:
+                self._make_room(sum(math.ceil((len(r.prompt_ids) - r.cached_tokens) / self.kv.block_size) + 1
+                                    for r in admitted))
                 firsts = self._prefill(admitted)
             except Exception:
                 for r in admitted:
                     self._leave(r)
                 raise
             for r, token in zip(admitted, firsts):
-                if self.prefix_cache:  # its prompt's full blocks, for the requests that share them
+                if self.prefix_cache and r.evict is None:  # its prompt's full blocks, for the requests that share them
                     self.kv.prefix.insert(r.prompt_ids, r.sequence.table.blocks)
                 if r.accept(token):
                     self._leave(r)
@@ -193,7 +228,7 @@ class BatchScheduler:
         while todo:
             active = list(todo)
             width = max(1, PREFILL_STEP_SIZE // len(active))
-            logits = self._forward(active, [todo[r][:width] for r in active])  # [B, L, V]
+            logits, _ = self._forward(active, [todo[r][:width] for r in active])  # [B, L, V]
             ending = [(b, r) for b, r in enumerate(active) if len(todo[r]) <= width]
             for r in active:
                 todo[r] = todo[r][width:]
@@ -204,13 +239,26 @@ class BatchScheduler:
             firsts.update((r, int(t.item())) for (_, r), t in zip(ending, tokens))
         return [firsts[r] for r in reqs]
 
-    def _forward(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array] = None) -> mx.array:
+    def _forward(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array] = None,
+                 tapped: bool = False) -> Tuple[mx.array, Dict[int, List[mx.array]]]:
         """Logits [B, L, V] of one forward of chunks[b] (token ids) for each request (left-padded rows, see
-        kv/batch.py); `inputs` [B, L], when given, replaces the ids (chunks then give only the lengths). A lone
+        kv/batch.py), and with `tapped` the rotated queries of each evicting request's real tokens
+        ({b: per layer [1, H, n_b, D]}, QueryTap.rows); `inputs` [B, L], when given, replaces the ids
+        (chunks then give only the lengths). A lone
         request runs on its own paged cache (a contiguous view instead of a gather, and MLX's causal mask: 9%
         less time per decode step on the default model than a gathered step) unless the step's attention runs
         on the paged-attention kernel, which is never slower than that view (1.00-1.08x per decode step at 100
         tokens of context, 1.24x at 1500, 1.38x at 2000: `bench/kv_core.py --batched`)."""
+        if not tapped:
+            return self._run(reqs, chunks, inputs), {}
+        if self._tap is None:
+            self._tap = QueryTap(self.model)
+        with self._tap as tap:
+            logits = self._run(reqs, chunks, inputs)
+            return logits, {b: tap.rows(b, len(c)) for b, (r, c) in enumerate(zip(reqs, chunks)) if r.kv is not None}
+
+    def _run(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array]) -> mx.array:
+        """The forward of `_forward`: logits [B, L, V]."""
         if len(reqs) == 1 and not (self._fused and fused_attention_applies(self.kv.pool, max(map(len, chunks)))):
             return self.model(mx.array(chunks[0])[None] if inputs is None else inputs, cache=reqs[0].cache)
         step = BatchStep([r.sequence for r in reqs], [len(c) for c in chunks])
@@ -237,7 +285,14 @@ class BatchScheduler:
                 inputs.append(previous[1][b:b + 1].astype(mx.uint32))
         if not batch:
             return None
-        logits = self._forward(batch, [[0]] * len(batch), mx.concatenate(inputs)[:, None])[:, -1, :]  # [B, V]
+        if any(r.kv is not None for r in self.running):
+            self._make_room(len(batch))  # at most one new block each (the reservations leave that room)
+        tapped = any(r.kv is not None for r in batch)
+        logits, queries = self._forward(batch, [[0]] * len(batch), mx.concatenate(inputs)[:, None], tapped)
+        logits = logits[:, -1, :]  # [B, V]
+        for b, rows in queries.items():  # eviction after the forward, as a lone request's (Engine.stream_steps)
+            batch[b].kv.step(rows)
+            batch[b].reserved_blocks = self.blocks_needed(batch[b], evicted=True)
         if all(r.greedy_plain for r in batch):
             sampled = mx.argmax(logits, axis=-1)  # [B]
         else:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import mlx.core as mx
+
 from ..errors import MlxInferError
 from .observe import AttentionObserver
 from .policies.base import EvictionPolicy
@@ -63,11 +65,18 @@ class EvictionController:
         """Most live tokens allowed now."""
         return max(self.keep_min, math.ceil((1.0 - self.ratio) * self.sequence.table.length))
 
-    def step(self) -> None:
-        """After a forward (the first call: after the prefill)."""
+    def step(self, queries: Optional[List[mx.array]] = None) -> None:
+        """After a forward (the first call: after the prefill). queries: that forward's rotated queries of
+        this request per layer, [1, H, L, D] each (AttentionObserver.record); needed with an observer.
+
+        Raises:
+            MlxInferError: an observer but no queries.
+        """
         first, self.prefilled = not self.prefilled, True
         if self.observer is not None:
-            self.observer.record()
+            if queries is None:
+                raise MlxInferError("the eviction controller's observer needs the forward's queries")
+            self.observer.record(queries)
             if first or self.observer.due():
                 self.policy.observe(self.observer.stats())
         table = self.sequence.table

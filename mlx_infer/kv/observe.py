@@ -73,32 +73,40 @@ class QueryTap:
         self.taps = []
 
     def queries(self) -> List[mx.array]:
-        """The last forward's rotated queries per layer: [1, H, L, D] each."""
+        """The last forward's rotated queries per layer: [B, H, L, D] each (B = 1 for one request's cache,
+        the batch's rows for a batched forward, kv/batch.py)."""
         return [t.queries for t in self.taps]
+
+    def rows(self, b: int, n: int) -> List[mx.array]:
+        """Row b's last n query positions of the last forward, per layer: [1, H, n, D] each (a batched
+        forward's request b, whose n real tokens are the last n columns of its left-padded row)."""
+        return [t.queries[b:b + 1, :, t.queries.shape[2] - n:] for t in self.taps]
 
 
 class AttentionObserver:
     """Keeps the queries of the last `window` positions and scores them against the cache.
 
     Args:
-        tap: an installed QueryTap of the model.
+        scales: each attention layer's softmax scale (QueryTap.scales).
         caches: the request's PagedKVCache per layer (same order as the model's layers).
         period: forwards between observations; window: most recent queries scored.
     """
 
-    def __init__(self, tap: QueryTap, caches: Sequence[PagedKVCache], period: int = OBSERVE_PERIOD,
+    def __init__(self, scales: Sequence[float], caches: Sequence[PagedKVCache], period: int = OBSERVE_PERIOD,
                  window: int = OBSERVE_WINDOW):
-        self.tap, self.caches = tap, list(caches)
+        self.scales, self.caches = list(scales), list(caches)
         self.period, self.window = period, window
         self.rows: Deque[Tuple[int, List[mx.array]]] = deque()  # (position, per-layer q [H, 1, D])
         self.since = 0
         self.seconds = 0.0  # spent in `stats` (host wall time incl. the evaluation)
 
-    def record(self) -> None:
-        """After a forward: keep its queries (the last `window` positions)."""
-        qs = self.tap.queries()
+    def record(self, queries: List[mx.array]) -> None:
+        """After a forward: keep its queries (the last `window` positions). queries: the request's rotated
+        queries of that forward per layer, [1, H, L, D] each, for its last L tokens (QueryTap.queries, or
+        QueryTap.rows of a batched forward)."""
+        qs = queries
         L = qs[0].shape[2]
-        end = self.caches[0].offset
+        end = self.caches[0].sequence.table.length
         lo = max(0, L - self.window)
         tail = [mx.contiguous(q[0, :, lo:]) for q in qs]  # [H, w, D]: a copy, so a prefill's q is not kept
         for i in range(L - lo):
@@ -124,7 +132,7 @@ class AttentionObserver:
             n_kv = k.shape[1]
             H, W, D = q.shape
             q = q.reshape(n_kv, H // n_kv, W, D)
-            s = (q @ k[0].astype(mx.float32)[:, None].swapaxes(-1, -2)) * self.tap.scales[layer]  # [n_kv, r, W, S]
+            s = (q @ k[0].astype(mx.float32)[:, None].swapaxes(-1, -2)) * self.scales[layer]  # [n_kv, r, W, S]
             s = mx.where(visible, s, -mx.inf)
             out.append(mx.softmax(s, axis=-1).sum(axis=2).reshape(H, -1))  # [H, S]
         attention = np.array(mx.concatenate(out, axis=0))

@@ -6,18 +6,20 @@ and one KVRequest per request (eviction when asked for, the retained-block recor
     kv.check_fits(cache, prompt_tokens=..., new_tokens=..., evicting=False)   # KVBudgetError before prefill
     with KVRequest(kv, cache, EvictSpec("h2o", 0.5), repack=True) as req:
         for token in tokens:                    # after each forward of the decode loop
-            req.step()
+            req.step()                          # batched: req.step(tap.rows(b, n)), see batch/scheduler.py
     req.stats()                                 # GenerationStats.kv
     release(cache)                              # the blocks go back to the pool (dense caches: nothing)
 """
 
 import math
+import threading
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..errors import MlxInferError
 from .cache import PagedKVCache, make_paged_cache, make_pool
 from .defaults import PREFIX_CACHE_BYTES
 from .errors import KVBudgetError
@@ -34,6 +36,12 @@ def release(cache: Optional[list]) -> None:
     """Give a request's KV blocks back to their pool (a paged cache); a dense cache or None: nothing."""
     if cache and isinstance(cache[0], PagedKVCache):
         cache[0].sequence.release()
+
+
+class _ThreadStream(threading.local):
+    """A stream per thread (PagedKV.repack_stream)."""
+
+    stream: Optional[mx.Stream] = None
 
 
 def probe_kv_layout(model: nn.Module) -> Tuple[int, int, int, mx.Dtype]:
@@ -68,7 +76,14 @@ class PagedKV:
         if layout is not None:
             self.pool.configure(*layout)
         self.prefix = PrefixCache(self.pool)  # shared full blocks (batched requests: BatchScheduler)
-        self.stream = mx.new_stream(mx.default_device())  # the repacker's copies (one per engine)
+        self._streams = _ThreadStream()  # the repacker's copy stream, one per thread using the engine
+
+    def repack_stream(self) -> mx.Stream:
+        """The stream repacking copies run on, for the calling thread (MLX streams belong to the thread that
+        made them: a batch runner's thread gets its own)."""
+        if self._streams.stream is None:
+            self._streams.stream = mx.new_stream(mx.default_device())
+        return self._streams.stream
 
     @property
     def block_size(self) -> int:
@@ -119,46 +134,97 @@ class PagedKV:
                 f"max_tokens{'' if evicting else ', or evict tokens (evict=POLICY:RATIO)'}")
 
 
+def reserved_blocks(evict: Optional[EvictSpec], repack: bool, prompt_tokens: int, new_tokens: int,
+                    block_size: int) -> Tuple[int, int]:
+    """(before, after): the most KV blocks a request of prompt_tokens + new_tokens may need at once until its
+    first eviction, and after it; what batched admission reserves (batch/scheduler.py).
+
+    Without eviction, and with Naive-Evict (repack False: blocks are freed only when every token in them
+    is evicted, which nothing bounds), both are every token's blocks. With vToken eviction
+    (EvictionController: after each forward at most max(1, ceil((1 - ratio) * length)) tokens stay live;
+    one-shot policies such as SnapKV evict once, then every new token stays), `after` is the blocks of the
+    most tokens ever live, packed densely, plus one: forced repacking (KVRequest.compact) packs a request's
+    live tokens into ceil(live / block_size) blocks whenever the pool needs the room. `before` adds the
+    prompt and the first new token, all held until the first eviction (after the first decode forward).
+    """
+    every = math.ceil((prompt_tokens + new_tokens) / block_size)
+    if evict is None or not repack:
+        return every, every
+    keep = 1.0 - evict.ratio
+    if make_policy(evict.policy).once:
+        live = max(1, math.ceil(keep * prompt_tokens)) + new_tokens
+    else:
+        live = max(1, math.ceil(keep * (prompt_tokens + new_tokens))) + 1
+    after = min(every, math.ceil(live / block_size) + 1)
+    return max(after, min(every, math.ceil((prompt_tokens + 1) / block_size))), after
+
+
 class KVRequest:
     """One request on the paged cache: eviction (when `evict` is given: its policy, an attention observer on
     the model's queries, a Repacker, or Naive-Evict with repack=False), and per decode step the request's
-    retained blocks. A context manager: the query tap is installed on the model while it is open.
+    retained blocks.
+
+    On its own (Engine.stream_steps) it is a context manager: its query tap is installed on the model while
+    it is open, and `step()` reads that tap. In a batched forward the scheduler's tap holds every request's
+    queries and hands each request its row (`step(queries)`).
 
     Args:
         kv: the engine's PagedKV.
         cache: the request's caches (from kv.new_cache, possibly a kept prefix).
         evict: EvictSpec or None (no eviction).
         repack: vToken repacking (False: Naive-Evict, the same decisions, blocks freed only when empty).
+
+    Raises:
+        UnsupportedModelError: eviction on a model whose attention layers the query tap cannot reach.
     """
 
     def __init__(self, kv: PagedKV, cache: List[PagedKVCache], evict: Optional[EvictSpec], repack: bool = True):
         self.kv, self.cache, self.evict = kv, cache, evict
         self.sequence = cache[0].sequence
-        self.repacker = Repacker(enabled=repack, stream=kv.stream) if evict is not None else None
+        self.repacker = Repacker(enabled=repack, stream=kv.repack_stream()) if evict is not None else None
         self.controller: Optional[EvictionController] = None
-        self._tap: Optional[QueryTap] = QueryTap(kv.model) if evict is not None else None
+        self._tap: Optional[QueryTap] = None
+        if evict is not None:
+            self._tap = QueryTap(kv.model)
+            self.controller = EvictionController(self.sequence, make_policy(evict.policy), evict.ratio,
+                                                 AttentionObserver(self._tap.scales, cache), self.repacker)
         self.blocks: List[int] = []  # the request's blocks after each decode step
         self.peak_blocks = 0
 
     def __enter__(self) -> "KVRequest":
         if self._tap is not None:
-            tap = self._tap.__enter__()
-            observer = AttentionObserver(tap, self.cache)
-            self.controller = EvictionController(self.sequence, make_policy(self.evict.policy), self.evict.ratio,
-                                                 observer, self.repacker)
+            self._tap.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._tap is not None:
             self._tap.__exit__(*exc)
 
-    def step(self) -> None:
-        """After a forward (each token the decode loop delivers): evict and repack when due, record the blocks."""
+    def step(self, queries: Optional[List[mx.array]] = None) -> None:
+        """After a forward (each token the decode loop delivers): evict and repack when due, record the blocks.
+        queries: this request's rotated queries of that forward, per layer [1, H, L, D] (QueryTap.rows of a
+        batched forward); None: those of its own tap, installed while the KVRequest is open.
+
+        Raises:
+            MlxInferError: evicting with neither queries nor an open KVRequest.
+        """
         table = self.sequence.table
         self.peak_blocks = max(self.peak_blocks, len(table.blocks))
         if self.controller is not None:
-            self.controller.step()
+            if queries is None:
+                if not self._tap.taps:
+                    raise MlxInferError("KVRequest.step needs the forward's queries, or the KVRequest open (with ...)")
+                queries = self._tap.queries()
+            self.controller.step(queries)
         self.blocks.append(len(table.blocks))
+
+    def compact(self) -> int:
+        """Repack now, whatever the trigger (vToken only; the pool needs the room): the live tokens of the
+        request's unshared blocks end in ceil(live / block_size) blocks. Returns the blocks freed."""
+        if self.repacker is None or not self.repacker.enabled:
+            return 0
+        plan = self.repacker.maybe_repack(self.sequence, force=True)
+        return plan.saved if plan is not None else 0
 
     @property
     def evicted(self) -> int:

@@ -56,6 +56,7 @@ class ServerConfig:
         max_body_bytes, max_prompt_tokens, max_tokens_limit, default_max_tokens: request limits.
         max_queue: requests allowed to wait beyond the running batch (then 429).
         speculative: the speculative mode of every request, used while it runs alone ("off", "auto", ...).
+        evict, repack: token eviction of every request ("POLICY:RATIO" or None; Engine.generate_batch).
     """
 
     model_id: str = "default"
@@ -66,6 +67,8 @@ class ServerConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_queue: int = MAX_QUEUE
     speculative: str = "off"
+    evict: Optional[str] = None
+    repack: bool = True
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -160,9 +163,11 @@ class Server:
         loop, steps = asyncio.get_running_loop(), asyncio.Queue()
         try:
             handle = self.runner.submit(ids, parsed.params, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s),
-                                        speculative=self.config.speculative)
-        except KVBudgetError as e:
-            raise APIError(400, str(e), "max_tokens") from None
+                                        speculative=self.config.speculative, evict=self.config.evict,
+                                        repack=self.config.repack)
+        except KVBudgetError as e:  # the client's way out is its request; the budget is the server's --kv-budget
+            raise APIError(400, f"{e.problem}: lower max_tokens or shorten the prompt (the server's --kv-budget "
+                                "sets the budget)", "max_tokens") from None
         except MlxInferError as e:
             raise APIError(503 if "closed" in str(e) else 400, str(e), field_of(str(e))) from None
         self.open[handle] = (loop, steps)

@@ -106,6 +106,30 @@ def test_serves_on_quantized_kv_blocks(default_gguf):
     assert proc.returncode == 0, proc.stderr_text
 
 
+def test_serves_with_eviction(default_gguf):
+    """--evict h2o:0.5: every request evicts as it decodes; two greedy completions sent together give the
+    texts each gives alone (the same eviction decisions)."""
+    def complete(port, prompt):
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    prompts = ["The history of the city of Paris begins with a small settlement on an island in the river",
+               "Once upon a time, a dragon lived in a cave above a village, and every winter it"]
+    with serving("--evict", "h2o:0.5") as (port, proc):
+        alone = [complete(port, p) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda p: complete(port, p), prompts))
+    assert together == alone and all(alone)
+    assert proc.returncode == 0, proc.stderr_text
+
+
+def test_evict_with_a_speculative_mode_is_refused(run_cli):
+    line = assert_user_error(run_cli("serve", "--evict", "h2o:0.5", "--spec", "lookup"), "not supported yet")
+    assert "--spec off or auto" in line
+
+
 def test_a_port_in_use_is_one_line_before_serving(default_gguf):
     """A port another process listens on: one error line naming --port, exit 2, no "serving" line and no
     uvicorn log."""

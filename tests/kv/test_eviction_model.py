@@ -60,8 +60,8 @@ def test_query_tap_and_observer_statistics(tiny_models):
     paged = make_paged_cache(model, make_pool(model))
     with QueryTap(model) as tap:
         tapped = np.array(model(mx.array(IDS[:12])[None], cache=paged))
-        obs = AttentionObserver(tap, paged, period=1, window=8)
-        obs.record()
+        obs = AttentionObserver(tap.scales, paged, period=1, window=8)
+        obs.record(tap.queries())
         queries = [np.array(q[0]) for q in tap.queries()]  # [H, 12, D]
         stats = obs.stats()
     np.testing.assert_array_equal(tapped, plain)
@@ -85,13 +85,13 @@ def run_h2o(model, repack: bool):
     cache = make_paged_cache(model, pool)
     out = []
     with QueryTap(model) as tap:
-        ctl = EvictionController(cache[0].sequence, make_policy("h2o"), 0.5, AttentionObserver(tap, cache, 4, 4),
+        ctl = EvictionController(cache[0].sequence, make_policy("h2o"), 0.5, AttentionObserver(tap.scales, cache, 4, 4),
                                  Repacker(low_watermark=None, enabled=repack))
         model(mx.array(IDS[:16])[None], cache=cache)
-        ctl.step()
+        ctl.step(tap.queries())
         for t in IDS[16:]:
             out.append(np.array(model(mx.array([[t]]), cache=cache)))
-            ctl.step()
+            ctl.step(tap.queries())
             cache[0].sequence.table.check()
     return np.concatenate(out), ctl, cache[0].sequence
 

@@ -18,6 +18,7 @@ import pytest
 
 from server_helpers import live_server
 
+import mlx_infer
 from mlx_infer.server import ServerConfig, build_app
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
@@ -285,3 +286,16 @@ def test_lone_request_speculates_losslessly(engine, reference):
         r = client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": question}], max_tokens=48)
         assert runner.scheduler.steps == 0  # no batched decode forward: every token came from speculative rounds
     assert r.choices[0].message.content == alone(reference, question, 48) and r.usage.completion_tokens > 1
+
+
+def test_a_request_past_the_kv_budget_is_a_400_naming_max_tokens(default_gguf):
+    """10 MB of KV blocks hold 13 blocks of 16 tokens: a request for 1000 new tokens can never fit. The 400
+    names the client's field (max_tokens), not the server's flag as a keyword."""
+    small = mlx_infer.load(kv_cache="paged", kv_budget="10MB")
+    with live_server(small) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1000})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_tokens"
+    assert "but the KV budget of 9.5 MiB holds 13: lower max_tokens or shorten the prompt" in error["message"]
+    assert "kv_budget" not in error["message"]
