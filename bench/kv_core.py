@@ -161,7 +161,7 @@ def bench_observe(args, engine):
                 token = mx.argmax(logits[:, -1:], axis=-1)
                 mx.eval(token)
                 if observe:
-                    obs.record(tap.queries())
+                    obs.record(tap.rows())
                     if obs.due():
                         obs.stats()
             dt = time.perf_counter() - t0
@@ -250,7 +250,7 @@ def bench_retained(args, engine):
             for a, b in zip(bounds[:-1], bounds[1:]):
                 mx.eval(model(mx.array(ids[a:b])[None], cache=cache))
                 naive.append(b - a)
-                ctl.step(tap.queries())
+                ctl.step(tap.rows())
                 naive.evict(np.setdiff1d(naive.live_tokens(), seq.table.live_tokens()))
                 naive_blocks.append(len(naive.blocks))
         mx.eval(pool.keys + pool.values)

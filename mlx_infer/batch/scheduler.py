@@ -35,7 +35,7 @@ from ..errors import MlxInferError
 from ..kv.attention_hook import install as install_attention_hook
 from ..kv.batch import BatchStep, fused_attention_applies
 from ..kv.errors import KVBudgetError
-from ..kv.observe import QueryTap
+from ..kv.observe import QueryRows, QueryTap
 from ..kv.session import KVRequest, PagedKV, release, reserved_blocks
 from .request import BatchRequest
 
@@ -140,11 +140,11 @@ class BatchScheduler:
 
         if room() < blocks:
             self.kv.prefix.make_room(blocks + pool.free_blocks - room())
-        for r in self.running:
-            if room() >= blocks:
+        evicting = sorted((r.kv for r in self.running if r.kv is not None), key=lambda kv: -kv.reclaimable)
+        for kv in evicting:  # the sparsest first: the fewest copies for the room
+            if room() >= blocks or not kv.reclaimable:
                 break
-            if r.kv is not None:
-                r.kv.compact()
+            kv.compact()
         return room() >= blocks
 
     def step(self) -> None:
@@ -240,10 +240,10 @@ class BatchScheduler:
         return [firsts[r] for r in reqs]
 
     def _forward(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array] = None,
-                 tapped: bool = False) -> Tuple[mx.array, Dict[int, List[mx.array]]]:
+                 tapped: bool = False) -> Tuple[mx.array, Dict[int, QueryRows]]:
         """Logits [B, L, V] of one forward of chunks[b] (token ids) for each request (left-padded rows, see
         kv/batch.py), and with `tapped` the rotated queries of each evicting request's real tokens
-        ({b: per layer [1, H, n_b, D]}, QueryTap.rows); `inputs` [B, L], when given, replaces the ids
+        ({b: QueryTap.rows(b, n_b)}); `inputs` [B, L], when given, replaces the ids
         (chunks then give only the lengths). A lone
         request runs on its own paged cache (a contiguous view instead of a gather, and MLX's causal mask: 9%
         less time per decode step on the default model than a gathered step) unless the step's attention runs

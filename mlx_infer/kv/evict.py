@@ -12,10 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import mlx.core as mx
-
 from ..errors import MlxInferError
-from .observe import AttentionObserver
+from .observe import AttentionObserver, QueryRows
 from .policies.base import EvictionPolicy
 from .repack import Repacker
 from .sequence import PagedSequence
@@ -65,9 +63,9 @@ class EvictionController:
         """Most live tokens allowed now."""
         return max(self.keep_min, math.ceil((1.0 - self.ratio) * self.sequence.table.length))
 
-    def step(self, queries: Optional[List[mx.array]] = None) -> None:
+    def step(self, queries: Optional[QueryRows] = None) -> None:
         """After a forward (the first call: after the prefill). queries: that forward's rotated queries of
-        this request per layer, [1, H, L, D] each (AttentionObserver.record); needed with an observer.
+        this request (QueryTap.rows; AttentionObserver.record); needed with an observer.
 
         Raises:
             MlxInferError: an observer but no queries.

@@ -12,7 +12,8 @@ smaller than the period samples them. Its cost is the QK^T part of `window` deco
 
 import time
 from collections import deque
-from typing import Deque, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -77,10 +78,31 @@ class QueryTap:
         the batch's rows for a batched forward, kv/batch.py)."""
         return [t.queries for t in self.taps]
 
-    def rows(self, b: int, n: int) -> List[mx.array]:
-        """Row b's last n query positions of the last forward, per layer: [1, H, n, D] each (a batched
-        forward's request b, whose n real tokens are the last n columns of its left-padded row)."""
-        return [t.queries[b:b + 1, :, t.queries.shape[2] - n:] for t in self.taps]
+    def rows(self, b: int = 0, n: Optional[int] = None) -> "QueryRows":
+        """Row b's last n query positions of the last forward (all L when n is None): a batched forward's
+        request b, whose n real tokens are the last n columns of its left-padded row. No MLX work: the
+        columns are sliced when the observer scores them."""
+        return QueryRows(self.queries(), b, n)
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """One request's rotated queries of one forward: layers[l][row, :, L - count:] of each attention layer
+    l's [B, H, L, D] queries (count None: all L)."""
+
+    layers: List[mx.array]
+    row: int = 0
+    count: Optional[int] = None
+
+    @property
+    def n(self) -> int:
+        """Query positions of the request in the forward."""
+        return self.layers[0].shape[2] if self.count is None else self.count
+
+    def last(self, layer: int, m: int) -> mx.array:
+        """Layer `layer`'s last m (<= n) query positions of the request: [H, m, D]."""
+        q = self.layers[layer]
+        return q[self.row, :, q.shape[2] - m:]
 
 
 class AttentionObserver:
@@ -96,23 +118,23 @@ class AttentionObserver:
                  window: int = OBSERVE_WINDOW):
         self.scales, self.caches = list(scales), list(caches)
         self.period, self.window = period, window
-        self.rows: Deque[Tuple[int, List[mx.array]]] = deque()  # (position, per-layer q [H, 1, D])
+        self.rows: Deque[Tuple[int, int, QueryRows]] = deque()  # (first position, positions, queries), oldest first
+        self.kept = 0  # positions in self.rows
         self.since = 0
         self.seconds = 0.0  # spent in `stats` (host wall time incl. the evaluation)
 
-    def record(self, queries: List[mx.array]) -> None:
-        """After a forward: keep its queries (the last `window` positions). queries: the request's rotated
-        queries of that forward per layer, [1, H, L, D] each, for its last L tokens (QueryTap.queries, or
-        QueryTap.rows of a batched forward)."""
-        qs = queries
-        L = qs[0].shape[2]
-        end = self.caches[0].sequence.table.length
-        lo = max(0, L - self.window)
-        tail = [mx.contiguous(q[0, :, lo:]) for q in qs]  # [H, w, D]: a copy, so a prefill's q is not kept
-        for i in range(L - lo):
-            self.rows.append((end - L + lo + i, [t[:, i : i + 1] for t in tail]))
-        while len(self.rows) > self.window:
-            self.rows.popleft()
+    def record(self, queries: QueryRows) -> None:
+        """After a forward: keep its queries (the last `window` positions), the request's last positions
+        (ending at its table's end). A forward longer than the window (a prefill chunk) has its last
+        queries copied, so that its whole queries are not kept; others are kept as they are, sliced only
+        when scored (no MLX work per decode step)."""
+        m = min(queries.n, self.window)
+        if queries.layers[0].shape[2] > self.window:
+            queries = QueryRows([mx.contiguous(queries.last(layer, m)[None]) for layer in range(len(queries.layers))])
+        self.rows.append((self.caches[0].sequence.table.length - m, m, queries))
+        self.kept += m
+        while self.kept - self.rows[0][1] >= self.window:
+            self.kept -= self.rows.popleft()[1]
         self.since += 1
 
     def due(self) -> bool:
@@ -123,11 +145,18 @@ class AttentionObserver:
         start = time.perf_counter()
         seq = self.caches[0].sequence
         tokens = seq.live_positions()
-        qpos = mx.array([p for p, _ in self.rows], mx.int32)[:, None]  # [W, 1]
+        skip = max(0, self.kept - self.window)  # the oldest entry's first positions are past the window
+        parts, positions = [], []
+        for first, m, queries in self.rows:
+            use = m - min(skip, m)
+            skip -= m - use
+            parts.append((queries, use))
+            positions += range(first + m - use, first + m)
+        qpos = mx.array(positions, mx.int32)[:, None]  # [W, 1]
         visible = qpos >= mx.array(tokens.astype(np.int32))[None]  # [W, S]
         out = []
         for layer, cache in enumerate(self.caches):
-            q = mx.concatenate([r[1][layer] for r in self.rows], axis=1).astype(mx.float32)  # [H, W, D]
+            q = mx.concatenate([r.last(layer, m) for r, m in parts], axis=1).astype(mx.float32)  # [H, W, D]
             k, _ = seq.live(cache.layer)  # [1, n_kv, S, D] (views, or one gather: dropped after this call)
             n_kv = k.shape[1]
             H, W, D = q.shape
@@ -138,4 +167,4 @@ class AttentionObserver:
         attention = np.array(mx.concatenate(out, axis=0))
         self.since = 0
         self.seconds += time.perf_counter() - start
-        return AttentionStats(tokens, attention, len(self.rows))
+        return AttentionStats(tokens, attention, len(positions))

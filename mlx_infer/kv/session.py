@@ -24,7 +24,7 @@ from .cache import PagedKVCache, make_paged_cache, make_pool
 from .defaults import PREFIX_CACHE_BYTES
 from .errors import KVBudgetError
 from .evict import EvictionController
-from .observe import AttentionObserver, QueryTap
+from .observe import AttentionObserver, QueryRows, QueryTap
 from .options import EvictSpec
 from .policies import make_policy
 from .prefix import PrefixCache
@@ -200,10 +200,10 @@ class KVRequest:
         if self._tap is not None:
             self._tap.__exit__(*exc)
 
-    def step(self, queries: Optional[List[mx.array]] = None) -> None:
+    def step(self, queries: Optional[QueryRows] = None) -> None:
         """After a forward (each token the decode loop delivers): evict and repack when due, record the blocks.
-        queries: this request's rotated queries of that forward, per layer [1, H, L, D] (QueryTap.rows of a
-        batched forward); None: those of its own tap, installed while the KVRequest is open.
+        queries: this request's rotated queries of that forward (QueryTap.rows of a batched forward); None:
+        those of its own tap, installed while the KVRequest is open.
 
         Raises:
             MlxInferError: evicting with neither queries nor an open KVRequest.
@@ -214,9 +214,18 @@ class KVRequest:
             if queries is None:
                 if not self._tap.taps:
                     raise MlxInferError("KVRequest.step needs the forward's queries, or the KVRequest open (with ...)")
-                queries = self._tap.queries()
+                queries = self._tap.rows()
             self.controller.step(queries)
         self.blocks.append(len(table.blocks))
+
+    @property
+    def reclaimable(self) -> int:
+        """Blocks a repack could free now (vToken only; 0 for Naive-Evict): the request's blocks beyond
+        ceil(live / block_size)."""
+        if self.repacker is None or not self.repacker.enabled:
+            return 0
+        table = self.sequence.table
+        return max(0, len(table.blocks) - math.ceil(table.n_live / table.block_size))
 
     def compact(self) -> int:
         """Repack now, whatever the trigger (vToken only; the pool needs the room): the live tokens of the

@@ -13,10 +13,18 @@ decoding step. When even a fully accepted draft cannot beat plain decoding on th
 
 The estimates start from a `Prior`: a weak 0.5 by default, or a calibration for model drafters
 (calibrate.py). Only decisions live here: no timing, no disk, no MLX.
+
+Over all of that, DraftScheduler checks what speculation really delivers: the tokens committed per wall
+second of its last ARM_WINDOW rounds (each round's time from one read-back to the next, as the loop measures
+it: drafting, verifying, the host work and the plain rounds it could not launch ahead included), against plain
+decoding's (measured the same way while it decodes plainly; before that, the cost curve's pipelined step).
+When speculation is the slower, the request decodes plainly for ARM_BACKOFF rounds (doubled each time in a
+row, up to ARM_BACKOFF_MAX), every one launched ahead as generate_step does, then speculates again.
 """
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..defaults import DEFAULT_MAX_DRAFT
 from .cost import CostCurve
@@ -33,6 +41,11 @@ COST_DECAY = 0.9
 PROBE_EVERY = 16
 #: Speculation must promise this much over plain decoding to be used at all.
 MIN_GAIN = 1.05
+#: Rounds of speculation (and of plain decoding) whose measured tokens per second are compared.
+ARM_WINDOW = 8
+#: Plain rounds after speculation measured slower than plain decoding; doubled each time in a row.
+ARM_BACKOFF = 32
+ARM_BACKOFF_MAX = 256
 
 
 def expected_committed(rates: List[float], gamma: int) -> float:
@@ -161,6 +174,11 @@ class DraftScheduler:
         self.key_costs: Dict[Optional[int], float] = {}  # free mode: seconds per proposal, per bucket (EMA)
         self.round = 0  # rounds observed
         self.last_try: Dict[Optional[int], int] = {}  # round of each bucket's last verified proposal
+        # speculation against plain decoding, as measured (see the module docstring)
+        self.plain_left = 0  # rounds left to decode plainly (speculation measured the slower)
+        self.backoff = ARM_BACKOFF
+        self._spec_rounds: Deque[Tuple[int, float]] = deque(maxlen=ARM_WINDOW)  # (committed, seconds)
+        self._plain_rounds: Deque[Tuple[int, float]] = deque(maxlen=ARM_WINDOW)
 
     def rates(self, key: Optional[int] = None) -> List[float]:
         """Estimated conditional acceptance of each draft position (given its predecessors were accepted)
@@ -212,10 +230,14 @@ class DraftScheduler:
 
     def gamma(self) -> int:
         """The gamma to ask the drafter for this round."""
+        if self.plain_left:
+            return 0
         return self.max_draft if self.free else self._gamma(self.round)
 
     def cut(self, draft) -> int:
         """How many of a free drafter's proposed tokens to verify (a draft with .tokens and .key)."""
+        if self.plain_left:
+            return 0
         if not self.free:
             return len(draft.tokens)
         best = self.best_gamma(draft.key, len(draft.tokens), sunk=True)
@@ -226,7 +248,7 @@ class DraftScheduler:
     def worth(self, key: Optional[int]) -> bool:
         """Free mode: whether proposing from bucket `key` pays for its drafting cost this round, or is due
         for a probe (estimates only move when drafts are verified)."""
-        return self.best_gamma(key) > 0 or self._due(key, self.round)
+        return not self.plain_left and (self.best_gamma(key) > 0 or self._due(key, self.round))
 
     def plain_next(self, keys: Optional[Sequence[int]] = None) -> bool:
         """Whether the round after this one will certainly draft nothing, whatever token this one commits.
@@ -236,6 +258,10 @@ class DraftScheduler:
                 no certainty); ignored otherwise.
         """
         at = self.round + 1
+        if self.plain_left > 1:  # this round and the next one decode plainly
+            return True
+        if self.plain_left:
+            return False
         if not self.free:
             return self._gamma(at) == 0
         if keys is None:
@@ -250,10 +276,10 @@ class DraftScheduler:
         Args:
             draft_s, verify_s: seconds of its drafting and of its verify (forward to read-back).
             ahead, round_s: whether the round was launched before the previous one was read back, and the
-                wall seconds since that read-back (DraftPolicy's interface; this scheduler trusts the
-                measured curve instead: correcting it by observed rounds showed no benefit, see
-                docs/benchmarks.md).
+                wall seconds since that read-back: what speculation and plain decoding are compared by
+                (`_compare`; None: the round is not counted).
         """
+        self._compare(accepted + 1, round_s)
         self.round += 1
         if not proposed:
             return
@@ -271,6 +297,38 @@ class DraftScheduler:
                 sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample
             )
         self.last_try[key] = self.round
+
+
+    def _compare(self, committed: int, round_s: Optional[float]) -> None:
+        """Count a round in the measured rate of speculation or of plain decoding, and switch between them
+        (see the module docstring). The first round is not counted (its time includes the prefill's end)."""
+        if self.plain_left:
+            if round_s is not None and self.round:
+                self._plain_rounds.append((committed, round_s))
+            self.plain_left -= 1
+            if not self.plain_left:
+                self._spec_rounds.clear()  # speculation is measured afresh
+            return
+        if round_s is None or not self.round:
+            return
+        self._spec_rounds.append((committed, round_s))
+        if len(self._spec_rounds) < ARM_WINDOW:
+            return
+        if _rate(self._spec_rounds) < self._plain_rate():
+            self.plain_left, self.backoff = self.backoff, min(2 * self.backoff, ARM_BACKOFF_MAX)
+        else:
+            self.backoff = ARM_BACKOFF
+
+    def _plain_rate(self) -> float:
+        """Tokens per second of plain decoding: measured on this request's plain rounds, else the curve's."""
+        if len(self._plain_rounds) >= ARM_WINDOW // 2:
+            return _rate(self._plain_rounds)
+        return 1.0 / self.curve.plain()
+
+
+def _rate(rounds: Sequence[Tuple[int, float]]) -> float:
+    """Committed tokens per second over (committed, seconds) rounds."""
+    return sum(c for c, _ in rounds) / max(sum(t for _, t in rounds), 1e-9)
 
 
 def drafter_pays(curve: CostCurve, prior: Prior, max_draft: int, per_round: bool) -> bool:

@@ -61,7 +61,7 @@ def test_query_tap_and_observer_statistics(tiny_models):
     with QueryTap(model) as tap:
         tapped = np.array(model(mx.array(IDS[:12])[None], cache=paged))
         obs = AttentionObserver(tap.scales, paged, period=1, window=8)
-        obs.record(tap.queries())
+        obs.record(tap.rows())
         queries = [np.array(q[0]) for q in tap.queries()]  # [H, 12, D]
         stats = obs.stats()
     np.testing.assert_array_equal(tapped, plain)
@@ -88,10 +88,10 @@ def run_h2o(model, repack: bool):
         ctl = EvictionController(cache[0].sequence, make_policy("h2o"), 0.5, AttentionObserver(tap.scales, cache, 4, 4),
                                  Repacker(low_watermark=None, enabled=repack))
         model(mx.array(IDS[:16])[None], cache=cache)
-        ctl.step(tap.queries())
+        ctl.step(tap.rows())
         for t in IDS[16:]:
             out.append(np.array(model(mx.array([[t]]), cache=cache)))
-            ctl.step(tap.queries())
+            ctl.step(tap.rows())
             cache[0].sequence.table.check()
     return np.concatenate(out), ctl, cache[0].sequence
 

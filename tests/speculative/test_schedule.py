@@ -7,7 +7,9 @@ import pytest
 from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
 from mlx_infer.speculative import SpecOptions, SpecState
 from mlx_infer.speculative.cost import CostCurve, measure_cost_curve
-from mlx_infer.speculative.schedule import PROBE_EVERY, DraftScheduler, expected_committed, speculation_pays
+from mlx_infer.speculative.schedule import (
+    ARM_BACKOFF, ARM_WINDOW, PROBE_EVERY, DraftScheduler, expected_committed, speculation_pays,
+)
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -209,3 +211,40 @@ def test_a_free_drafters_new_bucket_is_tried_at_once():
     assert s.cut(Draft(list(range(8)), key=3)) == 2
     s.observe(2, 0, 0.0, s.curve(3), key=3)
     assert s.cut(Draft(list(range(8)), key=3)) == 0
+
+
+def measured_rounds(s, n, committed, seconds, proposed=2):
+    """n rounds of the loop as DraftScheduler.observe sees them: `committed` tokens in `seconds` each."""
+    for _ in range(n):
+        s.observe(proposed if not s.plain_left else 0, committed - 1, 0.0, seconds, ahead=bool(s.plain_left),
+                  round_s=seconds)
+
+
+def test_speculation_measured_slower_than_plain_decodes_plainly_then_tries_again():
+    """A curve that promises much (a 9-token verify at 1.1x a step, drafts always accepted), but rounds that
+    commit 1.2 tokens in 1.5 steps' time: after ARM_WINDOW rounds it decodes plainly for ARM_BACKOFF rounds
+    (each launchable ahead), then speculates again; slower again, it waits twice as long."""
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.0125 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
+    for _ in range(20):
+        s.observe(8, 8, 0.0, s.curve(9))  # acceptance learned high, no round times: nothing compared
+    assert s.gamma() == 8 and s.plain_left == 0
+    measured_rounds(s, ARM_WINDOW, 1, 1.5)  # speculation: 0.67 tokens/s against the curve's plain 1.0
+    assert s.plain_left == ARM_BACKOFF and s.gamma() == 0 and not s.worth(3)
+    assert s.plain_next([1, 2, 3])  # the next round decodes plainly too: launched ahead
+    measured_rounds(s, ARM_BACKOFF - 1, 1, 1.0)
+    assert s.plain_left == 1 and not s.plain_next([1])  # the last plain round: the next one speculates
+    measured_rounds(s, 1, 1, 1.0)
+    assert s.plain_left == 0 and s.gamma() == 8
+    measured_rounds(s, ARM_WINDOW, 1, 1.5)
+    assert s.plain_left == 2 * ARM_BACKOFF
+
+
+def test_speculation_measured_faster_keeps_speculating():
+    """Rounds committing 3 tokens in 1.2 steps beat plain decoding's measured 1 token per step: no plain
+    stint, and the back-off returns to its start."""
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.0125 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
+    s.backoff = 4 * ARM_BACKOFF
+    s.plain_left = 4
+    measured_rounds(s, 4, 1, 1.0)  # plain decoding measured: 1 token per second
+    measured_rounds(s, 3 * ARM_WINDOW, 3, 1.2)
+    assert s.plain_left == 0 and s.backoff == ARM_BACKOFF and s.gamma() == 8
