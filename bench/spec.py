@@ -25,7 +25,9 @@ smaller sibling of the default model exists here.
 
 --policy instead measures the draft-length policy, greedy, on every set: plain decoding; lookup with max_draft
 auto (the scheduler), twice (the second copy is an A/A control: the same code, so its spread is the run's
-noise floor); lookup with each fixed draft length of --fixed; dflash (the registered drafter) with max_draft
+noise floor); lookup with max_draft auto without the scheduler's check of speculation against plain
+decoding (schedule.ARM_WINDOW out of reach for its requests); lookup with each fixed draft length of
+--fixed; dflash (the registered drafter) with max_draft
 auto. Each configuration is an Engine of its own over the one loaded model, every request starts from an
 empty KV cache, and every prompt runs --repeats times per configuration, interleaved, the order rotated per
 repeat. Every run counts: per set, decode tokens/s after the first token and tokens/s with prefill, the ratio
@@ -55,6 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 from common import bootstrap_ratio, machine, machine_line, write_result  # noqa: E402
 from mlx_infer.engine import Engine  # noqa: E402
+from mlx_infer.speculative import schedule  # noqa: E402
+from mlx_infer.speculative.schedule import ARM_WINDOW  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "prompts"
 SETS = ("chat", "code", "math", "copy")
@@ -172,6 +176,9 @@ class PolicyConfig:
     max_draft: Union[str, int]
     #: the configuration this one is compared with (the A/A control's twin; None: none)
     baseline: Optional[str] = None
+    #: DraftScheduler's check of speculation against plain decoding (schedule.ARM_WINDOW); False: never
+    #: compared, speculation decides by the cost curve alone
+    plain_check: bool = True
 
 
 def policy_configs(base, fixed: Sequence[int]) -> List[PolicyConfig]:
@@ -182,6 +189,8 @@ def policy_configs(base, fixed: Sequence[int]) -> List[PolicyConfig]:
 
     configs = [PolicyConfig(PLAIN, engine(), "off", "auto"), PolicyConfig("lookup auto", engine(), "lookup", "auto"),
                PolicyConfig("lookup auto (A/A twin)", engine(), "lookup", "auto", "lookup auto")]
+    configs.append(PolicyConfig("lookup auto, no plain check", engine(), "lookup", "auto", "lookup auto",
+                                plain_check=False))
     configs += [PolicyConfig(f"lookup fixed {g}", engine(), "lookup", g) for g in fixed]
     configs.append(PolicyConfig("dflash auto", engine(), "dflash", "auto"))
     return configs
@@ -190,8 +199,12 @@ def policy_configs(base, fixed: Sequence[int]) -> List[PolicyConfig]:
 def run_cell(config: PolicyConfig, prompt_ids: List[int], max_tokens: int) -> dict:
     """One greedy request of a configuration, from an empty KV cache (every request prefills its prompt)."""
     config.engine.reset()
-    r = config.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=0.0, speculative=config.mode,
-                               max_draft=config.max_draft)
+    schedule.ARM_WINDOW = ARM_WINDOW if config.plain_check else sys.maxsize  # read when a scheduler is made
+    try:
+        r = config.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=0.0, speculative=config.mode,
+                                   max_draft=config.max_draft)
+    finally:
+        schedule.ARM_WINDOW = ARM_WINDOW
     s = r.stats
     return {"token_ids": r.token_ids, "tokens": len(r.token_ids), "total_s": s.total_s, "ttft_s": s.ttft_s,
             "tau": s.tau if config.mode != "off" else 1.0, "rounds": s.rounds, "spec_mode": s.spec_mode or "off"}

@@ -18,8 +18,10 @@ Over all of that, DraftScheduler checks what speculation really delivers: the to
 second of its last ARM_WINDOW rounds (each round's time from one read-back to the next, as the loop measures
 it: drafting, verifying, the host work and the plain rounds it could not launch ahead included), against plain
 decoding's (measured the same way while it decodes plainly; before that, the cost curve's pipelined step).
-When speculation is the slower, the request decodes plainly for ARM_BACKOFF rounds (doubled each time in a
-row, up to ARM_BACKOFF_MAX), every one launched ahead as generate_step does, then speculates again.
+When speculation is the slower (below ARM_MARGIN of it), the request decodes plainly for ARM_BACKOFF rounds
+(doubled each time in a row, up to ARM_BACKOFF_MAX), launched ahead as generate_step does, then speculates
+again; during those rounds only a free drafter's bucket that has proved itself (`_strong`: a long lookup
+match in a copy) still drafts.
 """
 
 from collections import deque
@@ -43,9 +45,16 @@ PROBE_EVERY = 16
 MIN_GAIN = 1.05
 #: Rounds of speculation (and of plain decoding) whose measured tokens per second are compared.
 ARM_WINDOW = 8
+#: Speculation counts as the slower below this fraction of plain decoding's measured rate.
+ARM_MARGIN = 0.95
 #: Plain rounds after speculation measured slower than plain decoding; doubled each time in a row.
-ARM_BACKOFF = 32
+ARM_BACKOFF = 8
 ARM_BACKOFF_MAX = 256
+#: Meanwhile a free drafter's bucket still drafts when its measured acceptance promises this much over a
+#: plain step on the curve (a long lookup match in a copy), with at least ARM_STRONG_TRIALS (discounted)
+#: verified first tokens behind the estimate.
+ARM_STRONG_GAIN = 1.5
+ARM_STRONG_TRIALS = 4.0
 
 
 def expected_committed(rates: List[float], gamma: int) -> float:
@@ -230,14 +239,25 @@ class DraftScheduler:
 
     def gamma(self) -> int:
         """The gamma to ask the drafter for this round."""
-        if self.plain_left:
+        if self.plain_left and not self.free:
             return 0
         return self.max_draft if self.free else self._gamma(self.round)
+
+    def _strong(self, key: Optional[int]) -> bool:
+        """Whether a free drafter's bucket `key` drafts even while the request decodes plainly (see the module
+        docstring): its estimate rests on ARM_STRONG_TRIALS verified first tokens and promises
+        ARM_STRONG_GAIN over a plain step."""
+        trials = self.trials.get(key)
+        if not self.free or trials is None or trials[0] < ARM_STRONG_TRIALS:
+            return False
+        g = self.best_gamma(key, sunk=True)
+        gain = expected_committed(self.rates(key), g) / self.verify_cost(g + 1) * self.curve.plain()
+        return g > 0 and gain >= ARM_STRONG_GAIN
 
     def cut(self, draft) -> int:
         """How many of a free drafter's proposed tokens to verify (a draft with .tokens and .key)."""
         if self.plain_left:
-            return 0
+            return self.best_gamma(draft.key, len(draft.tokens), sunk=True) if self._strong(draft.key) else 0
         if not self.free:
             return len(draft.tokens)
         best = self.best_gamma(draft.key, len(draft.tokens), sunk=True)
@@ -248,7 +268,9 @@ class DraftScheduler:
     def worth(self, key: Optional[int]) -> bool:
         """Free mode: whether proposing from bucket `key` pays for its drafting cost this round, or is due
         for a probe (estimates only move when drafts are verified)."""
-        return not self.plain_left and (self.best_gamma(key) > 0 or self._due(key, self.round))
+        if self.plain_left:
+            return self._strong(key)
+        return self.best_gamma(key) > 0 or self._due(key, self.round)
 
     def plain_next(self, keys: Optional[Sequence[int]] = None) -> bool:
         """Whether the round after this one will certainly draft nothing, whatever token this one commits.
@@ -258,8 +280,8 @@ class DraftScheduler:
                 no certainty); ignored otherwise.
         """
         at = self.round + 1
-        if self.plain_left > 1:  # this round and the next one decode plainly
-            return True
+        if self.plain_left > 1:  # the next round decodes plainly too, unless a proved bucket can draft
+            return not self.free or (keys is not None and not any(self._strong(k) for k in keys))
         if self.plain_left:
             return False
         if not self.free:
@@ -279,7 +301,7 @@ class DraftScheduler:
                 wall seconds since that read-back: what speculation and plain decoding are compared by
                 (`_compare`; None: the round is not counted).
         """
-        self._compare(accepted + 1, round_s)
+        self._compare(proposed, accepted + 1, round_s)
         self.round += 1
         if not proposed:
             return
@@ -299,11 +321,12 @@ class DraftScheduler:
         self.last_try[key] = self.round
 
 
-    def _compare(self, committed: int, round_s: Optional[float]) -> None:
+    def _compare(self, proposed: int, committed: int, round_s: Optional[float]) -> None:
         """Count a round in the measured rate of speculation or of plain decoding, and switch between them
-        (see the module docstring). The first round is not counted (its time includes the prefill's end)."""
+        (see the module docstring). The first round is not counted (its time includes the prefill's end),
+        nor a round of a plain stint that drafted (a proved bucket)."""
         if self.plain_left:
-            if round_s is not None and self.round:
+            if round_s is not None and self.round and not proposed:
                 self._plain_rounds.append((committed, round_s))
             self.plain_left -= 1
             if not self.plain_left:
@@ -314,7 +337,7 @@ class DraftScheduler:
         self._spec_rounds.append((committed, round_s))
         if len(self._spec_rounds) < ARM_WINDOW:
             return
-        if _rate(self._spec_rounds) < self._plain_rate():
+        if _rate(self._spec_rounds) < ARM_MARGIN * self._plain_rate():
             self.plain_left, self.backoff = self.backoff, min(2 * self.backoff, ARM_BACKOFF_MAX)
         else:
             self.backoff = ARM_BACKOFF

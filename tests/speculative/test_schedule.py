@@ -1,5 +1,6 @@
 """Draft-length scheduling: cost curves, acceptance estimates, the choice of gamma, the plain fallback."""
 
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -221,20 +222,24 @@ def measured_rounds(s, n, committed, seconds, proposed=2):
 
 
 def test_speculation_measured_slower_than_plain_decodes_plainly_then_tries_again():
-    """A curve that promises much (a 9-token verify at 1.1x a step, drafts always accepted), but rounds that
-    commit 1.2 tokens in 1.5 steps' time: after ARM_WINDOW rounds it decodes plainly for ARM_BACKOFF rounds
-    (each launchable ahead), then speculates again; slower again, it waits twice as long."""
+    """A curve that promises much (a 9-token verify at 1.1x a step), but rounds that commit 1 token in 1.5
+    steps' time: after ARM_WINDOW rounds it decodes plainly for ARM_BACKOFF rounds (launchable ahead), where
+    only a proved bucket (5: every draft accepted so far) still drafts; then it speculates again, and slower
+    again it waits twice as long."""
     s = DraftScheduler(CostCurve({w: 1.0 + 0.0125 * (w - 1) for w in range(1, 10)}), max_draft=8, free=True)
     for _ in range(20):
-        s.observe(8, 8, 0.0, s.curve(9))  # acceptance learned high, no round times: nothing compared
-    assert s.gamma() == 8 and s.plain_left == 0
+        s.observe(8, 8, 0.0, s.curve(9), key=5)  # bucket 5 learned: always accepted (no round times: not compared)
+    assert s.plain_left == 0 and s.cut(SimpleNamespace(tokens=[1] * 8, key=5)) == 8
     measured_rounds(s, ARM_WINDOW, 1, 1.5)  # speculation: 0.67 tokens/s against the curve's plain 1.0
-    assert s.plain_left == ARM_BACKOFF and s.gamma() == 0 and not s.worth(3)
-    assert s.plain_next([1, 2, 3])  # the next round decodes plainly too: launched ahead
+    assert s.plain_left == ARM_BACKOFF
+    unproven = SimpleNamespace(tokens=[1] * 8, key=3)
+    assert not s.worth(3) and s.cut(unproven) == 0  # an unproven bucket waits
+    assert s.worth(5) and s.cut(SimpleNamespace(tokens=[1] * 8, key=5)) == 8  # the proved one still drafts
+    assert s.plain_next([1, 2, 3]) and not s.plain_next([3, 5])  # launched ahead unless bucket 5 can draft
     measured_rounds(s, ARM_BACKOFF - 1, 1, 1.0)
     assert s.plain_left == 1 and not s.plain_next([1])  # the last plain round: the next one speculates
     measured_rounds(s, 1, 1, 1.0)
-    assert s.plain_left == 0 and s.gamma() == 8
+    assert s.plain_left == 0 and s.worth(3)
     measured_rounds(s, ARM_WINDOW, 1, 1.5)
     assert s.plain_left == 2 * ARM_BACKOFF
 
