@@ -97,7 +97,7 @@ def serve(
     spec: Annotated[str, typer.Option(
         "--spec", metavar="|".join(SERVE_MODES),
         help="Lossless speculative decoding for a request while it is the only one running (batched requests "
-             "decode plainly). Default off: on a CPU, auto measured 0.88-0.96x on chat and code prompts "
+             "decode plainly). Default off: on a CPU, auto measured 0.94-0.96x on math and code prompts "
              "(docs/serving.md).")] = "off",
     kv_budget: KVBudgetOpt = None,
     evict: EvictOpt = None,

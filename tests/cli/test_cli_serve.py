@@ -88,41 +88,37 @@ def test_serves_a_reduced_model_and_answers_bad_http_in_json(default_gguf):
     assert f"serving default (rmm attn=0.75,mlp=0.9, lossy) on http://127.0.0.1:{port}/v1" in proc.stderr_text
 
 
-def test_serves_on_quantized_kv_blocks(default_gguf):
-    """--kv-bits 8: requests decode batched on 8-bit paged blocks; two greedy completions sent together give
-    the texts each gives alone."""
+def alone_and_together(flags, prompts, max_tokens):
+    """(each greedy completion alone, the same sent together) from a server started with `flags`; checks
+    that it stopped cleanly."""
     def complete(port, prompt):
-        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    prompts = ["The capital of France is", "Once upon a time, a dragon"]
-    with serving("--kv-bits", "8") as (port, proc):
+    with serving(*flags) as (port, proc):
         alone = [complete(port, p) for p in prompts]
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(len(prompts)) as pool:
             together = list(pool.map(lambda p: complete(port, p), prompts))
-    assert together == alone and all(alone)
     assert proc.returncode == 0, proc.stderr_text
+    return alone, together
+
+
+def test_serves_on_quantized_kv_blocks(default_gguf):
+    """--kv-bits 8: requests decode batched on 8-bit paged blocks; two greedy completions sent together give
+    the texts each gives alone."""
+    alone, together = alone_and_together(["--kv-bits", "8"], ["The capital of France is", "Once upon a time, a dragon"], 12)
+    assert together == alone and all(alone)
 
 
 def test_serves_with_eviction(default_gguf):
     """--evict h2o:0.5: every request evicts as it decodes; two greedy completions sent together give the
     texts each gives alone (the same eviction decisions)."""
-    def complete(port, prompt):
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-
     prompts = ["The history of the city of Paris begins with a small settlement on an island in the river",
                "Once upon a time, a dragon lived in a cave above a village, and every winter it"]
-    with serving("--evict", "h2o:0.5") as (port, proc):
-        alone = [complete(port, p) for p in prompts]
-        with ThreadPoolExecutor(2) as pool:
-            together = list(pool.map(lambda p: complete(port, p), prompts))
+    alone, together = alone_and_together(["--evict", "h2o:0.5"], prompts, 24)
     assert together == alone and all(alone)
-    assert proc.returncode == 0, proc.stderr_text
 
 
 def test_evict_with_a_speculative_mode_is_refused(run_cli):
