@@ -15,6 +15,8 @@ POOL_SHRINK_FACTOR = 4
 REPACK_WASTE = 0.25
 #: ... and free blocks at or below this fraction of the pool's budget (the low watermark).
 REPACK_LOW_WATERMARK = 0.10
+#: Most tokens one repack copies (the sparsest blocks first); more waits for the next decode step.
+REPACK_MAX_MOVES = 256
 #: Decode steps between two attention observations (the queries of the last OBSERVE_WINDOW steps are
 #: scored against the cached keys in one batched pass).
 OBSERVE_PERIOD = 8

@@ -36,7 +36,7 @@ def test_repack_frees_blocks_and_memory():
     assert pool.blocks_in_use == 512  # Naive-Evict: no block is empty, none is freed
     assert seq.table.waste() == pytest.approx(0.75)
 
-    plan = Repacker(low_watermark=None).maybe_repack(seq)
+    plan = Repacker(low_watermark=None, max_moves=None).maybe_repack(seq)
     assert plan is not None and plan.saved == 512 - 128
     assert pool.blocks_in_use == len(seq.table.blocks) == 128
     assert pool.bytes_in_use == 128 * pool.block_bytes
@@ -54,6 +54,31 @@ def test_repack_frees_blocks_and_memory():
     assert freed >= 0.9 * (pool_bytes := (512 - 256) * pool.block_bytes), (freed, pool_bytes)
     for layer, c in enumerate(caches):  # still the same after the shrink
         np.testing.assert_array_equal(np.array(c.state[0]), before[layer][:, :, keep])
+
+
+def test_a_repack_copies_at_most_max_moves_tokens_sparsest_blocks_first():
+    """64 blocks, half of them keeping 4 tokens and half 8: a repack of at most 64 tokens packs the 16
+    sparsest blocks (4 live each) into 4, the next ones continue until the waste is down to the trigger's
+    0.25 (32 blocks), and a forced repack (no limit) reaches ceil(live / 16) blocks; every live token keeps
+    its K."""
+    pool, seq, caches = filled(64 * BS)
+    before = np.array(caches[0].state[0])
+    blocks = np.arange(64 * BS) // BS
+    keep = np.flatnonzero(np.arange(64 * BS) % BS < np.where(blocks % 2 == 0, 4, 8))
+    seq.evict(np.setdiff1d(np.arange(64 * BS), keep))
+    repacker = Repacker(low_watermark=None, max_moves=64)
+    first = repacker.maybe_repack(seq)
+    assert len(first.tokens) == 64 and first.saved == 16 - 4
+    assert all(seq.table.live_count[b] == BS for b in first.destinations)
+    plans = [first]
+    while (plan := repacker.maybe_repack(seq)) is not None:
+        plans.append(plan)
+    assert all(len(p.tokens) <= 64 for p in plans) and len(plans) == 1 + 1 + 2  # 16 of 4 live, then 8 of 8 live each
+    assert len(seq.table.blocks) == 32 and seq.table.waste() == pytest.approx(0.25)
+    repacker.maybe_repack(seq, force=True)
+    assert len(seq.table.blocks) == -(-len(keep) // BS) == 24
+    np.testing.assert_array_equal(np.array(caches[0].state[0]), before[:, :, keep])
+    seq.table.check()
 
 
 def test_no_plan_without_saving_and_shared_blocks_stay():
