@@ -3,7 +3,8 @@
     python bench/kv.py                     # H2O, Scissorhands, StreamingLLM x ratios 0.3 / 0.5 / 0.7
     python bench/kv.py --prompt 512 --tokens 64 --budget 256MiB --policies h2o --ratios 0.5
     python bench/kv.py --tiny-context 16384 --prompt 16000 --tokens 64 --ratios 0.5 --policies h2o,scissorhands
-    python bench/kv.py --batched 16 --prompt 256 --tokens 768 --budget 360MiB --policies h2o --ratios 0.5
+    python bench/kv.py --batched 16 --prompt 256 --tokens 768 --budget 270MiB --policies h2o --ratios 0.5
+    python bench/kv.py --step-times --prompt 4096 --tokens 12 --policies h2o --ratios 0.5 --weights auto
 
 On the default model: one wikitext window (bench/kv_core.py's wikitext_ids) as the prompt, greedy, `--tokens`
 generated; first with the full cache (the paged cache without eviction), then per policy and ratio with
@@ -27,6 +28,10 @@ times), total tokens/s (all tokens / wall seconds, prefill included) and the mea
 request. Admission reserves each request's worst case in blocks: every token without eviction and with
 Naive-Evict (which frees only empty blocks), the most tokens it keeps live with vToken (repacked on
 demand), which is how more requests fit the same budget.
+
+--step-times prints the wall time of each decode step of one request with vToken and with Naive-Evict (the
+same evictions, no repack), in turn, --trials times: the step after a repack against the same step
+without it is what the repack cost.
 """
 
 import argparse
@@ -112,6 +117,34 @@ def batched_rows(engine, args):
     return rows
 
 
+def step_times(engine, prompt, tokens, evict, repack):
+    """Wall milliseconds of each decode step (token to token) of one request, and its kv stats."""
+    engine.reset()
+    times, last, step = [], None, None
+    for step in engine.stream_steps(prompt, max_tokens=tokens, evict=evict, repack=repack, chat_template=False):
+        now = time.perf_counter()
+        if last is not None:
+            times.append(round(1000 * (now - last), 1))
+        last = now
+    engine.reset()
+    return times, step.stats.kv
+
+
+def step_rows(engine, prompt, args):
+    """--step-times: per policy and ratio, vToken's and Naive-Evict's step times, in turn, --trials times."""
+    rows = []
+    for name in args.policies.split(","):
+        for ratio in (float(x) for x in args.ratios.split(",")):
+            spec = f"{name}:{ratio:g}"
+            for trial in range(args.trials):
+                for system, repack in (("vtoken", True), ("naive", False)):
+                    times, kv = step_times(engine, prompt, args.tokens, spec, repack)
+                    rows.append({"evict": spec, "system": system, "trial": trial, "step_ms": times,
+                                 "repacks": kv["repacks"], "repack_ms": round(1000 * kv["repack_s"], 2)})
+                    print(rows[-1], flush=True)
+    return rows
+
+
 def tiny_model(context: int, folder: Path) -> str:
     """A tiny random-weight llama GGUF whose context window is `context` tokens (tests/gguf_factory.py)."""
     spec = TinySpec("llama", context=context)
@@ -133,6 +166,9 @@ def main():
                     help="a tiny random-weight llama with an N-token context instead of --model")
     ap.add_argument("--batched", type=int, default=None, metavar="N",
                     help="N requests decoding together under --budget (see above)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="the wall time of each decode step, vToken against Naive-Evict (what a repack costs a step)")
+    ap.add_argument("--trials", type=int, default=2, help="--step-times: runs of each system")
     args = ap.parse_args()
     folder = tempfile.TemporaryDirectory()
     model = tiny_model(args.tiny_context, Path(folder.name)) if args.tiny_context else args.model
@@ -154,6 +190,11 @@ def main():
         print("wrote", write_result("kv-batched", result))
         return
     prompt = wikitext_ids(engine.tokenizer, args.prompt, skip_chars=args.skip)
+    if args.step_times:
+        rows = step_rows(engine, prompt, args)
+        result = {"machine": machine(), "command": " ".join(sys.argv), "model": label, "rows": rows}
+        print("wrote", write_result("kv-steps", result))
+        return
     full = run(engine, prompt, args.tokens)
     block_bytes = engine.kv_pool.block_bytes
     budget_blocks = parse_budget(args.budget) // block_bytes
