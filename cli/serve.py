@@ -16,8 +16,8 @@ from mlx_infer.speculative import MODES
 
 from .errors import user_errors
 from .options import (
-    BlockSizeOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, ModelOpt, RepackOpt, VerboseOpt, Weights, WeightsOpt,
-    check_rmm, kv_kwargs, spec_kwargs,
+    KV as KV_PANEL, BlockSizeOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, ModelOpt, RepackOpt, VerboseOpt, Weights,
+    WeightsOpt, check_rmm, kv_kwargs, spec_kwargs,
 )
 from .progress import load_engine, prepare_speculation, stderr
 
@@ -100,7 +100,10 @@ def serve(
              "decode plainly). Default off: on a CPU, auto measured 0.94-0.96x on math and code prompts "
              "(docs/serving.md).")] = "off",
     kv_budget: KVBudgetOpt = None,
-    evict: EvictOpt = None,
+    evict: Annotated[Optional[str], typer.Option(
+        "--evict", metavar="POLICY:RATIO", rich_help_panel=KV_PANEL,
+        help="Every request evicts this fraction of its KV tokens with a policy: h2o, scissorhands, streaming, "
+             "snapkv, random (e.g. h2o:0.5; lossy); an evicting request does not speculate.")] = None,
     repack: RepackOpt = "on",
     block_size: BlockSizeOpt = str(BLOCK_SIZE),
     kv_bits: KVBitsOpt = None,

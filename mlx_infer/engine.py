@@ -380,7 +380,7 @@ class Engine:
         kv = None
         if self._kv is not None:
             try:
-                self._kv.check_fits(cache, len(prompt_ids), max_tokens, evict is not None)
+                self._kv.check_fits(cache, len(prompt_ids), max_tokens, evict, repack)
                 kv = KVRequest(self._kv, cache, evict, repack)
             except MlxInferError:
                 release(cache)

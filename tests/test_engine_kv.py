@@ -134,10 +134,27 @@ def test_request_over_budget_fails_before_prefill(default_gguf, paged):
     # with eviction only the prompt (and its first token) must fit: eviction keeps the rest within budget
     evicted = small.generate(PROMPTS[1], max_tokens=64 - m + 1, evict="streaming:0.5")
     assert evicted.stats.generated_tokens > 0 and evicted.stats.kv["peak_kv_bytes"] <= 4 * block
+    with pytest.raises(KVBudgetError, match="evicting streaming:0.5 without repacking"):  # Naive-Evict: every token
+        small.generate(PROMPTS[1], max_tokens=64 - m + 1, evict="streaming:0.5", repack=False)
+    with pytest.raises(KVBudgetError, match="evicting h2o:0.5.* holds 4: raise kv_budget or lower max_tokens$"):
+        small.generate(PROMPTS[1], max_tokens=200, evict="h2o:0.5")  # keeps ~100 tokens live: 8 blocks
     with pytest.raises(KVBudgetError, match=r"^the KV budget of 4\.0 KiB \(smaller than one block of 16 tokens, "
                                             r"which takes 720\.0 KiB with this model\) holds no KV block"):
         small.configure_kv(kv_cache="paged", kv_budget="4KiB")  # refused where it is given, not per request
     assert small.kv_pool.max_blocks == 4  # the previous setting stays
+
+
+def test_an_evicting_request_that_fits_once_packed_runs_to_the_end(paged):
+    """13 blocks of 16 tokens and a request of ~300 tokens evicting half: it fits only packed (about 150
+    live tokens, 10 blocks), so it is repacked when the pool runs out of free blocks, not failed mid-answer
+    (before, only its prompt was checked and the repack waited for a low watermark it never reached)."""
+    small = mlx_infer.Engine(paged.model, paged.tokenizer, paged.config, paged.source, kv_cache="paged",
+                             kv_budget=13 * paged.kv_pool.block_bytes)
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+    r = small.generate(prompt, max_tokens=290, evict="h2o:0.5", chat_template=False)
+    kv = r.stats.kv
+    assert r.stats.generated_tokens == 290 and kv["repacks"] > 0
+    assert kv["peak_kv_bytes"] <= 13 * small.kv_pool.block_bytes and small.kv_pool.blocks_in_use == 0
 
 
 def test_kv_stats(fresh, default_engine):

@@ -14,7 +14,7 @@ import atexit
 import queue
 import threading
 import weakref
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -47,24 +47,31 @@ class RequestHandle:
         self._steps: "queue.SimpleQueue" = queue.SimpleQueue()
         self.request: Optional[BatchRequest] = None
         self._runner: Optional["BatchRunner"] = None
+        self._seen: List[GenerationStep] = []  # the steps iterated so far (result() after iterating)
+        self._ended: Optional[BaseException] = None  # the error that ended it, once raised
 
     def _put(self, item) -> None:
         self._steps.put(item)
 
     def __iter__(self) -> Iterator[GenerationStep]:
-        while True:
+        """The steps not yet iterated; nothing more once the final step came (or the error, raised again)."""
+        while not self._seen or self._seen[-1].finish_reason is None:
+            if self._ended is not None:
+                raise self._ended
             item = self._steps.get()
             if isinstance(item, BaseException):
+                self._ended = item
                 raise item
+            self._seen.append(item)
             yield item
-            if item.finish_reason is not None:
-                return
 
     def get(self, timeout: Optional[float] = None) -> GenerationStep:
-        """The next step (blocking; queue.Empty after `timeout` seconds)."""
+        """The next step (blocking; queue.Empty after `timeout` seconds), counted as iterated."""
         item = self._steps.get(timeout=timeout)
         if isinstance(item, BaseException):
+            self._ended = item
             raise item
+        self._seen.append(item)
         return item
 
     def cancel(self) -> None:
@@ -75,8 +82,10 @@ class RequestHandle:
             self._runner.wake()
 
     def result(self) -> GenerationResult:
-        """Wait for the whole answer (raises as iterating)."""
-        return collect(self)
+        """Wait for the whole answer, the steps already iterated included (raises as iterating)."""
+        for _ in self:
+            pass
+        return collect(self._seen)
 
 
 class BatchRunner:

@@ -96,9 +96,10 @@ class BatchScheduler:
         only the budget: safe from any thread)."""
         need, most = self.blocks_needed(req), self.kv.pool.max_blocks
         if most is not None and need > most:
+            kept = "" if req.evict is None else f", evicting {req.evict}" + ("" if req.repack else " without repacking")
             raise KVBudgetError(
                 f"the request needs {need} KV blocks of {self.kv.block_size} tokens ({len(req.prompt_ids)} prompt + "
-                f"{req.max_tokens} new) but the KV budget of {self.kv.pool.budget_text()} holds {most}",
+                f"{req.max_tokens} new{kept}) but the KV budget of {self.kv.pool.budget_text()} holds {most}",
                 "raise kv_budget or lower max_tokens")
 
     def add(self, req: BatchRequest) -> None:

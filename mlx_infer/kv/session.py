@@ -3,7 +3,7 @@ and one KVRequest per request (eviction when asked for, the retained-block recor
 
     kv = PagedKV(model, budget_bytes=512 << 20, block_size=16)
     cache = kv.new_cache()                      # the request's per-layer PagedKVCache
-    kv.check_fits(cache, prompt_tokens=..., new_tokens=..., evicting=False)   # KVBudgetError before prefill
+    kv.check_fits(cache, prompt_tokens=..., new_tokens=..., evict=None)   # KVBudgetError before prefill
     with KVRequest(kv, cache, EvictSpec("h2o", 0.5), repack=True) as req:
         for token in tokens:                    # after each forward of the decode loop
             req.step()                          # batched: req.step(tap.rows(b, n)), see batch/scheduler.py
@@ -117,21 +117,24 @@ class PagedKV:
     def _probe_layout(self) -> None:
         self.pool.configure(*probe_kv_layout(self.model))
 
-    def check_fits(self, cache: List[PagedKVCache], prompt_tokens: int, new_tokens: int, evicting: bool) -> None:
-        """Raise KVBudgetError (before prefill) when the request can never fit the budget: the prompt and
-        `new_tokens` more (with eviction: the prompt and its first token, evicted only after the prefill), minus
-        nothing for the kept prefix (it is part of the same blocks)."""
+    def check_fits(self, cache: List[PagedKVCache], prompt_tokens: int, new_tokens: int,
+                   evict: Optional[EvictSpec] = None, repack: bool = True) -> None:
+        """Raise KVBudgetError (before prefill) when the request can never fit the budget: the blocks of its
+        prompt and `new_tokens` more, or with vToken eviction the most it keeps (reserved_blocks; the request
+        is repacked when the pool needs the room, KVRequest.step), minus nothing for the kept prefix (it is
+        part of the same blocks)."""
         if self.pool.budget_bytes is None:
             return
         self.ensure_layout()
-        tokens = prompt_tokens + (1 if evicting else new_tokens)
-        need, most = math.ceil(tokens / self.block_size), self.pool.max_blocks
+        need, most = reserved_blocks(evict, repack, prompt_tokens, new_tokens, self.block_size)[0], self.pool.max_blocks
         other = self.pool.blocks_in_use - len(cache[0].sequence.table.blocks)
         if need > most - other:
+            kept = f", evicting {evict}" + ("" if repack else " without repacking") if evict is not None else ""
             raise KVBudgetError(
-                f"the request needs {need} KV blocks of {self.block_size} tokens ({tokens} tokens) but the KV "
-                f"budget of {self.pool.budget_text()} holds {most - other}: raise kv_budget, lower "
-                f"max_tokens{'' if evicting else ', or evict tokens (evict=POLICY:RATIO)'}")
+                f"the request needs {need} KV blocks of {self.block_size} tokens ({prompt_tokens} prompt + "
+                f"{new_tokens} new{kept}) but the KV budget of {self.pool.budget_text()} holds {most - other}",
+                "raise kv_budget or lower max_tokens" + ("" if evict is not None else
+                                                         ", or evict tokens (evict=POLICY:RATIO)"))
 
 
 def reserved_blocks(evict: Optional[EvictSpec], repack: bool, prompt_tokens: int, new_tokens: int,
@@ -216,6 +219,8 @@ class KVRequest:
                     raise MlxInferError("KVRequest.step needs the forward's queries, or the KVRequest open (with ...)")
                 queries = self._tap.rows()
             self.controller.step(queries)
+            if self.kv.pool.free_blocks == 0:  # the next token may need a block: pack now (its reservation fits)
+                self.compact()
         self.blocks.append(len(table.blocks))
 
     @property

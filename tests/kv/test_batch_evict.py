@@ -137,3 +137,15 @@ def test_runner_submit_with_eviction(paged, passages):
         got = [h.result() for h in handles]
     assert got[0].token_ids == want.token_ids and got[0].stats.kv["evicted_tokens"] > 0
     assert got[1].stats.kv is None
+
+
+def test_result_after_iterating_returns_the_whole_answer(paged, passages):
+    """A handle iterated to its end, or half-way, still gives its whole result (it used to wait forever)."""
+    paged.reset()
+    with paged.batch_runner() as runner:
+        whole = runner.submit(passages[2], SamplingParams(max_tokens=8))
+        steps = list(whole)
+        half = runner.submit(passages[2], SamplingParams(max_tokens=8))
+        first = next(iter(half))
+        assert whole.result() == collect(steps) and half.result().token_ids == collect(steps).token_ids
+        assert first.token == steps[0].token and len(collect(steps).token_ids) == 8
