@@ -36,7 +36,7 @@ from ..kv.attention_hook import install as install_attention_hook
 from ..kv.batch import BatchStep, fused_attention_applies
 from ..kv.errors import KVBudgetError
 from ..kv.observe import QueryRows, QueryTap
-from ..kv.session import KVRequest, PagedKV, release, reserved_blocks
+from ..kv.session import KVRequest, PagedKV, over_budget, release, reserved_blocks
 from .request import BatchRequest
 
 
@@ -96,11 +96,8 @@ class BatchScheduler:
         only the budget: safe from any thread)."""
         need, most = self.blocks_needed(req), self.kv.pool.max_blocks
         if most is not None and need > most:
-            kept = "" if req.evict is None else f", evicting {req.evict}" + ("" if req.repack else " without repacking")
-            raise KVBudgetError(
-                f"the request needs {need} KV blocks of {self.kv.block_size} tokens ({len(req.prompt_ids)} prompt + "
-                f"{req.max_tokens} new{kept}) but the KV budget of {self.kv.pool.budget_text()} holds {most}",
-                "raise kv_budget or lower max_tokens")
+            raise KVBudgetError(over_budget(self.kv.pool, need, len(req.prompt_ids), req.max_tokens, req.evict,
+                                            req.repack, most), "raise kv_budget or lower max_tokens")
 
     def add(self, req: BatchRequest) -> None:
         """Queue a request. Raises KVBudgetError as check_fits."""

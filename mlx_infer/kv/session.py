@@ -129,12 +129,19 @@ class PagedKV:
         need, most = reserved_blocks(evict, repack, prompt_tokens, new_tokens, self.block_size)[0], self.pool.max_blocks
         other = self.pool.blocks_in_use - len(cache[0].sequence.table.blocks)
         if need > most - other:
-            kept = f", evicting {evict}" + ("" if repack else " without repacking") if evict is not None else ""
             raise KVBudgetError(
-                f"the request needs {need} KV blocks of {self.block_size} tokens ({prompt_tokens} prompt + "
-                f"{new_tokens} new{kept}) but the KV budget of {self.pool.budget_text()} holds {most - other}",
+                over_budget(self.pool, need, prompt_tokens, new_tokens, evict, repack, most - other),
                 "raise kv_budget or lower max_tokens" + ("" if evict is not None else
                                                          ", or evict tokens (evict=POLICY:RATIO)"))
+
+
+def over_budget(pool, need: int, prompt_tokens: int, new_tokens: int, evict: Optional[EvictSpec], repack: bool,
+                holds: int) -> str:
+    """What does not fit, for a KVBudgetError: 'the request needs N KV blocks of 16 tokens (P prompt + T new,
+    evicting h2o:0.5) but the KV budget of 256.0 MiB holds M' (pool: the BlockPool)."""
+    kept = "" if evict is None else f", evicting {evict}" + ("" if repack else " without repacking")
+    return (f"the request needs {need} KV blocks of {pool.block_size} tokens ({prompt_tokens} prompt + "
+            f"{new_tokens} new{kept}) but the KV budget of {pool.budget_text()} holds {holds}")
 
 
 def reserved_blocks(evict: Optional[EvictSpec], repack: bool, prompt_tokens: int, new_tokens: int,
