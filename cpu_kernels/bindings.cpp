@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "attn.h"
+#include "move.h"
 #include "qmm.h"
 #include "rmm.h"
 #include "softmax.h"
@@ -39,6 +40,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("causal_softmax", &mlx_infer_kernels::causal_softmax, "x"_a, "scale"_a, "period"_a, "q0"_a,
         "window"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
         "y [..., R, S] float32: the causal softmax of scale * x for a prefill tile (see softmax.h).");
+  m.def("move_rows", &mlx_infer_kernels::move_rows, "a"_a, "src"_a, "dst"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "a [R, W] with row dst[i] replaced by row src[i] (int32 [M]), in place when MLX can donate a's buffer "
+        "(see move.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

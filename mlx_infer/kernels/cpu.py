@@ -464,3 +464,22 @@ def cpu_causal_softmax(scores: mx.array, scale: float, period: int, q0: int, win
         ValueError: another dtype or ndim < 2, period < 1, q0 < 0, window < 0 or scale <= 0.
     """
     return _module().causal_softmax(scores, scale, period, q0, window, stream=mx.cpu)
+
+
+def cpu_move_rows(a: mx.array, src: mx.array, dst: mx.array) -> mx.array:
+    """a [R, W] (any dtype) with row dst[i] replaced by row src[i] of a, on the CPU kernel: the reads see a
+    before any write (src and dst may overlap), and when MLX can donate a's buffer (nothing else holds a)
+    the result takes it and only the M rows are copied; otherwise a is copied once first.
+
+    Args:
+        a: [R, W], any dtype and strides.
+        src, dst: int32 [M], indices in [0, R) (an index outside is skipped: check them first).
+
+    Returns:
+        [R, W] in a's dtype, on the CPU stream.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: a not 2-D, or src / dst not int32 [M] of one size.
+    """
+    return _module().move_rows(a, src, dst, stream=mx.cpu)

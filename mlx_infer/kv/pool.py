@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxInferError
+from ..kernels.move_rows import move_rows
 from .defaults import BLOCK_SIZE, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
 from .errors import KVBudgetError
 from .quant_options import KVQuant, check_head_dims, check_paged_quant
@@ -386,12 +387,12 @@ class BlockPool:
     def move(self, src: np.ndarray, dst: np.ndarray, stream: Optional[mx.Stream] = None) -> List[mx.array]:
         """Copy the K and V of slots src int [M] to slots dst int [M] in every layer (on `stream`; quantized
         blocks: codes, scales and biases alike); the reads see the arrays before the move, so src and dst
-        may overlap. Returns the new arrays (to eval)."""
-        src, dst = self.rows(src), self.rows(dst)
+        may overlap. One kernels.move_rows per plane: on the CPU kernel only the moved rows are copied
+        (the buffer is reused); the reference's gather + scatter copies the whole plane. Returns the new
+        arrays (to eval)."""
+        src, dst = self.rows(src), self.rows(dst)  # int32 [n_kv * M]
         with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
             for planes in self.planes:
                 for i, a in enumerate(planes):
-                    moved = mx.take(a, src, axis=0)  # [n_kv * M, width]
-                    a[dst] = moved
-                    planes[i] = a
+                    planes[i] = move_rows(a, src, dst)  # in place on the CPU kernel (kernels/move_rows.py)
         return self.arrays()
