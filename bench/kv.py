@@ -31,10 +31,13 @@ demand), which is how more requests fit the same budget.
 
 --step-times prints the wall time of each decode step of one request with vToken and with Naive-Evict (the
 same evictions, no repack), in turn, --trials times: the step after a repack against the same step
-without it is what the repack cost.
+without it is what the repack cost, and every OBSERVE_PERIOD-th step, which scores the attention
+statistics, against the others is what an observation costs. It ends with the medians of the three kinds
+of step.
 """
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +52,7 @@ from gguf_factory import TinySpec, random_weights, write_gguf  # noqa: E402
 from kv_core import wikitext_ids  # noqa: E402
 
 from mlx_infer.engine import common_prefix  # noqa: E402
+from mlx_infer.kv.defaults import OBSERVE_PERIOD  # noqa: E402
 from mlx_infer.kv.options import parse_budget  # noqa: E402
 
 
@@ -142,6 +146,15 @@ def step_rows(engine, prompt, args):
                     rows.append({"evict": spec, "system": system, "trial": trial, "step_ms": times,
                                  "repacks": kv["repacks"], "repack_ms": round(1000 * kv["repack_s"], 2)})
                     print(rows[-1], flush=True)
+    print("medians (ms): the first decode step (vToken repacks there), the observation steps (every "
+          f"{OBSERVE_PERIOD}th), the others")
+    for spec in dict.fromkeys(r["evict"] for r in rows):
+        for system in ("vtoken", "naive"):
+            steps = [r["step_ms"] for r in rows if r["evict"] == spec and r["system"] == system]
+            kinds = {"first": [t[0] for t in steps],
+                     "observe": [x for t in steps for i, x in enumerate(t) if i % OBSERVE_PERIOD == OBSERVE_PERIOD - 1],
+                     "other": [x for t in steps for i, x in enumerate(t) if i and i % OBSERVE_PERIOD != OBSERVE_PERIOD - 1]}
+            print(f"  {spec} {system}: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in kinds.items() if v))
     return rows
 
 

@@ -23,8 +23,8 @@ PREFILL_TILE = 256
 #: Fewest queries (L) that take the tiled path; shorter forwards (decode, verify widths) keep MLX's own.
 PREFILL_MIN_QUERIES = 17
 
-__all__ = ["PREFILL_MIN_QUERIES", "PREFILL_TILE", "prefill_attention", "prefill_attention_backend",
-           "prefill_fits", "reference_prefill_attention"]
+__all__ = ["PREFILL_MIN_QUERIES", "PREFILL_TILE", "causal_softmax", "prefill_attention", "prefill_attention_backend",
+           "prefill_fits", "reference_causal_softmax", "reference_prefill_attention"]
 
 
 def prefill_attention_backend() -> str:
@@ -49,6 +49,30 @@ def reference_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: fl
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
 
 
+def reference_causal_softmax(scores: mx.array, scale: float, period: int, q0: int) -> mx.array:
+    """The oracle of causal_softmax: a mask, then mx.softmax (float32)."""
+    R, S = scores.shape[-2:]
+    last = q0 + mx.arange(R)[:, None] % period  # [R, 1]: the last column row r sees
+    seen = mx.arange(S)[None] <= last  # [R, S]
+    p = mx.softmax(mx.where(seen, scores.astype(mx.float32) * scale, -mx.inf), axis=-1)
+    return mx.where(seen, p, 0.0)
+
+
+def causal_softmax(scores: mx.array, scale: float, period: int, q0: int) -> mx.array:
+    """softmax(scale * scores) of [..., R, S] scores over the columns each row sees (row r: columns
+    j <= q0 + r % period), 0 for the others, float32: the CPU kernel's (vectorized e^x, in place) where it
+    runs, else reference_causal_softmax. Also the attention observer's (kv/observe.py).
+
+    Raises:
+        ValueError: period < 1 or q0 < 0 (the CPU kernel: also a dtype other than float32).
+    """
+    if period < 1 or q0 < 0:
+        raise ValueError(f"causal_softmax: period must be >= 1 and q0 >= 0, got {period}, {q0}")
+    if prefill_attention_backend() == "reference":
+        return reference_causal_softmax(scores, scale, period, q0)
+    return cpu.cpu_causal_softmax(scores.astype(mx.float32), scale, period, q0)
+
+
 def _tiled(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     B, n_q, L, D = q.shape
     n_kv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -62,7 +86,7 @@ def _tiled(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         t, keys = e - s, offset + e  # the tile's queries see keys [0, offset + e)
         qt = qg[:, :, :, s:e].astype(mx.float32).reshape(B, n_kv, rep * t, D)  # [B, n_kv, rep * T, D]
         scores = qt @ kf[:, :, :keys].swapaxes(-1, -2)  # [B, n_kv, rep * T, keys]
-        p = cpu.cpu_causal_softmax(scores, scale, t, offset + s)
+        p = causal_softmax(scores, scale, t, offset + s)
         tiles.append((p @ vf[:, :, :keys]).reshape(B, n_kv, rep, t, Dv))  # [B, n_kv, rep, T, Dv]
     out = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=3)
     return out.reshape(B, n_q, L, Dv).astype(q.dtype)  # [B, n_q, L, Dv]

@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import UnsupportedModelError
+from ..kernels.prefill_attention import causal_softmax
 from .cache import PagedKVCache
 from .defaults import OBSERVE_PERIOD, OBSERVE_WINDOW
 from .policies.base import AttentionStats
@@ -152,18 +153,25 @@ class AttentionObserver:
             skip -= m - use
             parts.append((queries, use))
             positions += range(first + m - use, first + m)
-        qpos = mx.array(positions, mx.int32)[:, None]  # [W, 1]
-        visible = qpos >= mx.array(tokens.astype(np.int32))[None]  # [W, S]
+        # Keys are in position order, so query w sees a prefix of them: the first seen[w]. When the window's
+        # queries are consecutive positions whose tokens are live, seen[w] = seen[0] + w: the causal
+        # softmax kernel's rule (row r sees columns <= q0 + r % period), masking fused.
+        seen = np.searchsorted(tokens, positions, side="right")  # [W]
+        causal = seen[0] >= 1 and bool(np.array_equal(seen, seen[0] + np.arange(len(seen))))
+        visible = None if causal else mx.arange(tokens.size)[None] < mx.array(seen.astype(np.int32))[:, None]  # [W, S]
         out = []
         for layer, cache in enumerate(self.caches):
             q = mx.concatenate([r.last(layer, m) for r, m in parts], axis=1).astype(mx.float32)  # [H, W, D]
             k, _ = seq.live(cache.layer)  # [1, n_kv, S, D] (views, or one gather: dropped after this call)
             n_kv = k.shape[1]
             H, W, D = q.shape
-            q = q.reshape(n_kv, H // n_kv, W, D)
-            s = (q @ k[0].astype(mx.float32)[:, None].swapaxes(-1, -2)) * self.scales[layer]  # [n_kv, r, W, S]
-            s = mx.where(visible, s, -mx.inf)
-            out.append(mx.softmax(s, axis=-1).sum(axis=2).reshape(H, -1))  # [H, S]
+            s = q.reshape(n_kv, H // n_kv * W, D) @ k[0].astype(mx.float32).swapaxes(-1, -2)  # [n_kv, r * W, S]
+            if causal:
+                p = causal_softmax(s, self.scales[layer], W, int(seen[0]) - 1)
+            else:
+                s = mx.where(visible, s.reshape(n_kv, H // n_kv, W, -1) * self.scales[layer], -mx.inf)
+                p = mx.softmax(s, axis=-1)  # [n_kv, r, W, S]
+            out.append(p.reshape(n_kv, H // n_kv, W, -1).sum(axis=2).reshape(H, -1))  # [H, S]
         attention = np.array(mx.concatenate(out, axis=0))
         self.since = 0
         self.seconds += time.perf_counter() - start

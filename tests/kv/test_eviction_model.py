@@ -4,6 +4,7 @@ attention probabilities, and repacking changes the retained blocks but not the l
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_infer.kv import make_paged_cache, make_pool
@@ -53,7 +54,12 @@ def test_evicted_positions_stay_original(tiny_models):
     assert paged[0].offset == 50 and paged[0].sequence.table.n_live == 50 - len(dead)
 
 
-def test_query_tap_and_observer_statistics(tiny_models):
+@pytest.mark.parametrize("dead", [[], [1, 2], [9]], ids=["all-live", "old-evicted", "window-evicted"])
+def test_query_tap_and_observer_statistics(tiny_models, dead):
+    """The observer's statistics are the probabilities of the last 8 queries over the live keys they see
+    (keys at positions <= theirs). Evicting old tokens keeps each query's keys a prefix growing by one per
+    query (the causal softmax kernel's rule); evicting a token inside the window breaks that (the masked
+    path)."""
     model = tiny_models["llama"]
     dense = make_prompt_cache(model)
     plain = np.array(model(mx.array(IDS[:12])[None], cache=dense))
@@ -63,17 +69,19 @@ def test_query_tap_and_observer_statistics(tiny_models):
         obs = AttentionObserver(tap.scales, paged, period=1, window=8)
         obs.record(tap.rows())
         queries = [np.array(q[0]) for q in tap.queries()]  # [H, 12, D]
+        paged[0].sequence.evict(dead)
         stats = obs.stats()
     np.testing.assert_array_equal(tapped, plain)
-    assert np.array_equal(stats.tokens, np.arange(12)) and stats.n_queries == 8
+    live = np.setdiff1d(np.arange(12), dead)
+    assert np.array_equal(stats.tokens, live) and stats.n_queries == 8
     rows = []
     for layer, c in enumerate(dense):
-        k = np.array(c.keys[0, :, :12])  # [n_kv, 12, D]
+        k = np.array(c.keys[0, :, :12])[:, live]  # [n_kv, S, D]
         q = queries[layer][:, 4:]  # the last 8 queries: positions 4..11
         rep = q.shape[0] // k.shape[0]
         for h in range(q.shape[0]):
-            s = q[h] @ k[h // rep].T * tap.scales[layer]  # [8, 12]
-            s[np.arange(4, 12)[:, None] < np.arange(12)[None]] = -np.inf
+            s = q[h] @ k[h // rep].T * tap.scales[layer]  # [8, S]
+            s[np.arange(4, 12)[:, None] < live[None]] = -np.inf
             p = np.exp(s - s.max(1, keepdims=True))
             rows.append((p / p.sum(1, keepdims=True)).sum(0))
     np.testing.assert_allclose(stats.attention, np.stack(rows), rtol=1e-4, atol=1e-6)
