@@ -1,5 +1,6 @@
 """Flags shared by `generate`, `chat`, `bench` and `serve`, and the SamplingParams built from them."""
 
+import warnings
 from enum import Enum
 from typing import Annotated, List, Optional
 
@@ -244,6 +245,8 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     except MlxInferError:
         raise MlxInferError(f"--block-size must be an integer >= 1 (tokens per KV block), got {block_size!r}") from None
     budget = parse_budget(kv_budget)  # its messages name kv_budget: the CLI reports them as --kv-budget
+    if evict is not None and not evict.strip():
+        raise MlxInferError("--evict needs POLICY:RATIO (e.g. h2o:0.5), or none for no eviction; it was empty")
     try:
         spec = parse_evict(evict)
     except MlxInferError as e:
@@ -251,6 +254,9 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     value = repack.strip().lower()
     if value not in ("on", "off"):
         raise MlxInferError(f"--repack must be on or off, got {repack!r}")
+    if spec is None and value == "off":
+        warnings.warn("--repack off has no effect without --evict POLICY:RATIO (it picks Naive-Evict: the same "
+                      "evictions, blocks freed only when empty)")
     if kind == "dense" and (budget is not None or size != BLOCK_SIZE or spec is not None):
         flag = "--evict" if spec is not None else "--kv-budget" if budget is not None else "--block-size"
         raise MlxInferError(f"{flag} needs --kv-cache paged")

@@ -284,10 +284,7 @@ class Engine:
         if not prompt:
             raise MlxInferError("the prompt is empty; give some text")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise MlxInferError(f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
-            return [int(t) for t in prompt]
+            return self._checked_ids(prompt)
         for m in prompt:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise MlxInferError("each chat message must be a dict with 'role' and 'content' (a string)")
@@ -296,6 +293,23 @@ class Engine:
         if system:
             prompt = [{"role": "system", "content": system}] + [m for m in prompt if m["role"] != "system"]
         return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (as `generate`'s token_ids), special tokens included: the inverse of
+        `encode` for a plain string prompt.
+
+        Raises:
+            MlxInferError: an id that is not an int in the model's vocabulary.
+        """
+        return self.tokenizer.decode(self._checked_ids(list(token_ids)))
+
+    def _checked_ids(self, ids: List) -> List[int]:
+        """ids as ints, or MlxInferError naming the first that is not an int in 0..vocab_size - 1."""
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size),
+                   None)
+        if bad is not None:
+            raise MlxInferError(f"token id {bad!r} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        return [int(t) for t in ids]
 
     def stream_steps(
         self,

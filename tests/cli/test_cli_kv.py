@@ -14,6 +14,7 @@ from cli_helpers import assert_user_error
     (["generate", "hi", "--kv-cache", "paged", "--evict", "lru:0.5"], "unknown eviction policy 'lru'"),
     (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o:1.5"], "must be in (0, 1)"),
     (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o"], "POLICY:RATIO"),
+    (["generate", "hi", "--kv-cache", "paged", "--evict", " "], "--evict needs POLICY:RATIO (e.g. h2o:0.5), or none"),
     (["generate", "hi", "--kv-cache", "paged", "--evict", "h2o:0.5", "--repack", "maybe"], "--repack must be on or off"),
     (["generate", "hi", "--kv-cache", "paged", "--block-size", "0"], "--block-size must be an integer >= 1"),
     (["generate", "hi", "--evict", "h2o:0.5"], "--evict needs --kv-cache paged"),
@@ -53,6 +54,12 @@ def test_paged_json_and_stats(run_cli):
     assert kv["evict"] == "h2o:0.5" and kv["repack"] is True and kv["block_size"] == 16
     assert kv["evicted_tokens"] > 0 and kv["live_tokens"] > 0 and kv["peak_kv_bytes"] > 0
     assert "kv paged (block 16)" in proc.stderr and "evict h2o:0.5" in proc.stderr
+
+
+def test_repack_off_without_evict_is_a_warning(run_cli):
+    proc = run_cli("generate", "Hi", "-n", "2", "--kv-cache", "paged", "--repack", "off")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: --repack off has no effect without --evict POLICY:RATIO" in proc.stderr
 
 
 def test_dense_json_has_no_kv(run_cli):

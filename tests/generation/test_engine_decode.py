@@ -1,0 +1,21 @@
+"""Engine.decode: the text of token ids, the inverse of encode for a plain prompt; what generate's text is
+for its token ids; bad ids are one MlxInferError line."""
+
+import pytest
+
+from mlx_infer.errors import MlxInferError
+
+
+def test_decode_inverts_encode_and_matches_generate(default_engine):
+    text = "The capital of France is Paris."
+    assert default_engine.decode(default_engine.encode(text, chat_template=False)) == text
+    result = default_engine.generate("Name three colors.", max_tokens=8)
+    assert result.finish_reason == "length"
+    assert default_engine.decode(result.token_ids) == result.text
+
+
+@pytest.mark.parametrize("ids, needle", [([1, 10 ** 9], "token id 1000000000 is outside"), ([-3], "token id -3"),
+                                         ([True], "token id True"), (["7"], "token id '7'")])
+def test_decode_refuses_ids_outside_the_vocabulary(default_engine, ids, needle):
+    with pytest.raises(MlxInferError, match=needle):
+        default_engine.decode(ids)
