@@ -19,12 +19,20 @@ def in_groups(x, h):
     return (x.reshape(*x.shape[:-1], -1, g) @ h).reshape(x.shape)
 
 
-def round_trip(x, bits, gs=64, rotated=False):
+def round_trip(x, bits, gs=64, rotated=False, chunks=None):
     """MLX's affine round trip of rows x [..., dim] as float32: float16, mx.quantize (float16 scales and
     biases), mx.dequantize with them in float32; rotated: each group of gs values multiplied by the
-    Hadamard matrix before quantizing and after dequantizing (the matrix is its own inverse)."""
+    Hadamard matrix before quantizing and after dequantizing (the matrix is its own inverse).
+
+    chunks: (start, stop) ranges along axis -2 rotated one product each before quantizing, as a cache fed
+    those chunks rotates them (a float32 product's last bit can depend on its shape: OpenBLAS's Haswell
+    kernels round some rows of a 100-row product unlike the same rows of a 300-row one, which moves a
+    value across a quantization step); None: one product."""
     h = sylvester(gs) if rotated else None
-    x = in_groups(x.astype(mx.float32), h) if rotated else x
+    if rotated:
+        x = x.astype(mx.float32)
+        parts = [x[..., a:b, :] for a, b in chunks] if chunks else [x]
+        x = mx.concatenate([in_groups(p, h) for p in parts], axis=-2)
     w, s, b = mx.quantize(x.astype(mx.float16), group_size=gs, bits=bits)
     y = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
     return in_groups(y, h) if rotated else y

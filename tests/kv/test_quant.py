@@ -76,11 +76,13 @@ def test_affine_cache_returns_each_token_round_tripped(bits, rotate):
     packed rows grow past QUANT_STEP."""
     cache = QuantKVCache(KVQuant(*bits, rotate_k=rotate, rotate_v=rotate))
     k, v = kv(300, 0)
-    for a, b in ((0, 100), (100, 101), (101, 138), (138, 300)):
+    chunks = ((0, 100), (100, 101), (101, 138), (138, 300))
+    for a, b in chunks:
         keys, values = cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
     assert cache.offset == 300 and cache.n_quantized == 300
-    np.testing.assert_allclose(np.array(keys), np.array(round_trip(k, bits[0], rotated=rotate)), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(np.array(values), np.array(round_trip(v, bits[1], rotated=rotate)), rtol=0, atol=1e-5)
+    for got, x, b in ((keys, k, bits[0]), (values, v, bits[1])):
+        want = round_trip(x, b, rotated=rotate, chunks=chunks)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
 
 
 def test_rotation_is_orthogonal_and_spreads_an_outlier_channel():
