@@ -31,9 +31,9 @@ class Scissorhands:
         candidates = live[: max(0, live.size - self.recent)]
         counts = np.zeros(table.length, np.int64)  # low-attention counts in the history window
         mass = np.zeros(table.length)  # attention received in the history window
-        for tokens, received in self.window:
+        for tokens, received in self.window:  # tokens: unique ids, so += adds once per token (np.add.at: 10x slower)
             seen = tokens < table.length
-            np.add.at(counts, tokens[seen], received[seen] < self.low / tokens.size)
-            np.add.at(mass, tokens[seen], received[seen])
+            counts[tokens[seen]] += received[seen] < self.low / tokens.size
+            mass[tokens[seen]] += received[seen]
         order = np.lexsort((candidates, mass[candidates], -counts[candidates]))
         return np.sort(candidates[order[:n]])
