@@ -15,9 +15,10 @@ against the first turn's (both servers cache prompts across requests).
 Soak (--soak-seconds S, mlx-infer only): 16 clients send requests for S seconds, a fifth of them dropping
 the connection after a few chunks; failures other than those drops, and the server's RSS before the soak,
 after its first quarter (the KV pool and the prefix cache, bounded by PREFIX_CACHE_BYTES, at their working
-size) and at the end.
+size), at the end, and after --kv-idle-release seconds idle (the server then gives its KV memory back).
 
 Usage: python bench/serve.py [--concurrency 1,4,8,16] [--requests 16] [--max-tokens 32] [--soak-seconds 0]
+                            [--kv-idle-release 10]
 Prints tables and writes bench/results/serve-*.json.
 """
 
@@ -155,9 +156,10 @@ async def multi_turn(url, max_tokens):
             "ratio": second.get("ttft_s", float("nan")) / first.get("ttft_s", float("nan"))}
 
 
-async def soak(url, prompts, seconds, max_tokens, pid):
+async def soak(url, prompts, seconds, max_tokens, pid, idle_release):
     """16 clients for `seconds`; RSS before any soak traffic, after the first quarter (the KV pool and the
-    prefix cache at their working size) and at the end (after 2 s idle)."""
+    prefix cache at their working size), at the end (after 2 s idle) and once the server has been idle
+    `idle_release` seconds (its --kv-idle-release: the KV memory given back)."""
     start_rss, start, results, marks = rss_bytes(pid), time.monotonic(), [], {}
     rng = random.Random(0)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=20)) as client:
@@ -169,9 +171,12 @@ async def soak(url, prompts, seconds, max_tokens, pid):
                     marks["quarter"] = rss_bytes(pid)
         await asyncio.gather(*(worker(w) for w in range(16)))
     await asyncio.sleep(2)
+    end_rss = rss_bytes(pid)
+    await asyncio.sleep(max(0.0, idle_release - 2) + 3)
     return {"seconds": seconds, "requests": len(results), "dropped": sum(r["dropped"] for r in results),
             "failed": sum(not r["ok"] for r in results), "rss_start_bytes": start_rss,
-            "rss_quarter_bytes": marks.get("quarter", 0), "rss_end_bytes": rss_bytes(pid)}
+            "rss_quarter_bytes": marks.get("quarter", 0), "rss_end_bytes": end_rss,
+            "idle_release_s": idle_release, "rss_released_bytes": rss_bytes(pid)}
 
 
 def main():
@@ -181,6 +186,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--soak-seconds", type=int, default=0)
     ap.add_argument("--systems", default="mlx-lm,mlx-infer")
+    ap.add_argument("--kv-idle-release", type=float, default=10.0,
+                    help="mlx-infer serve's --kv-idle-release (the soak waits for it before its last RSS)")
     args = ap.parse_args()
 
     engine = mlx_infer.load()  # converts the default GGUF once; both servers read its MLX directory
@@ -191,7 +198,8 @@ def main():
     ports = {"mlx-lm": free_port(), "mlx-infer": free_port()}
     cmds = {"mlx-lm": [sys.executable, "-m", "mlx_lm", "server", "--model", mlx_dir, "--port", str(ports["mlx-lm"]),
                        "--log-level", "WARNING"],
-            "mlx-infer": [sys.executable, "-m", "mlx_infer", "serve", "--model", mlx_dir, "--port", str(ports["mlx-infer"])]}
+            "mlx-infer": [sys.executable, "-m", "mlx_infer", "serve", "--model", mlx_dir, "--port", str(ports["mlx-infer"]),
+                          "--kv-idle-release", str(args.kv_idle_release)]}
     systems = args.systems.split(",")
     procs = {s: start(s, cmds[s], ports[s]) for s in systems}
     prompts = load_prompts()
@@ -210,7 +218,7 @@ def main():
             turns[s] = asyncio.run(multi_turn(f"http://127.0.0.1:{ports[s]}", 16))
         if args.soak_seconds and "mlx-infer" in procs:
             soaked = asyncio.run(soak(f"http://127.0.0.1:{ports['mlx-infer']}", prompts, args.soak_seconds,
-                                      args.max_tokens, procs["mlx-infer"].pid))
+                                      args.max_tokens, procs["mlx-infer"].pid, args.kv_idle_release))
     finally:
         for p in procs.values():
             p.terminate()
@@ -233,7 +241,9 @@ def main():
     if soaked:
         print(f"soak: {soaked['requests']} requests in {soaked['seconds']} s, {soaked['dropped']} dropped on purpose, "
               f"{soaked['failed']} failed; RSS {soaked['rss_start_bytes'] / 2**20:.0f} MiB before, "
-              f"{soaked['rss_quarter_bytes'] / 2**20:.0f} MiB after a quarter, {soaked['rss_end_bytes'] / 2**20:.0f} MiB at the end")
+              f"{soaked['rss_quarter_bytes'] / 2**20:.0f} MiB after a quarter, {soaked['rss_end_bytes'] / 2**20:.0f} MiB at the end, "
+              f"{soaked['rss_released_bytes'] / 2**20:.0f} MiB after {soaked['idle_release_s']:g} s idle "
+              f"({soaked['rss_released_bytes'] / soaked['rss_start_bytes'] - 1:+.1%} against before)")
     path = write_result("serve", {"machine": info, "model": mlx_dir, "kernels": kernels, "max_tokens": args.max_tokens,
                                   "rows": rows, "multi_turn": turns, "soak": soaked})
     print(f"wrote {path}")

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 import uvicorn
 
-from mlx_infer.defaults import MAX_BATCH
+from mlx_infer.defaults import IDLE_RELEASE_S, MAX_BATCH
 from mlx_infer.errors import MlxInferError
 from mlx_infer.kv.defaults import BLOCK_SIZE
 from mlx_infer.server import JSONErrorProtocol, ServerConfig, build_app
@@ -107,6 +107,10 @@ def serve(
     repack: RepackOpt = "on",
     block_size: BlockSizeOpt = str(BLOCK_SIZE),
     kv_bits: KVBitsOpt = None,
+    kv_idle_release: Annotated[float, typer.Option(
+        "--kv-idle-release", metavar="SECONDS", min=0, rich_help_panel=KV_PANEL,
+        help="After this many seconds without a request, give the KV memory back: the prefix cache is "
+             "forgotten and the block pool shrinks (the next request prefills in full). 0: never.")] = IDLE_RELEASE_S,
     rmm: LinearRmmOpt = None,
     weights: WeightsOpt = Weights.auto,
     verbose: VerboseOpt = False,
@@ -132,7 +136,7 @@ def serve(
         check_port(host, port)  # before the measurements and the "serving" line
         engine.configure_kv(**load_kw)
         prepare_speculation(engine, speculative)  # the one-time measurements before the first request
-        runner = engine.batch_runner(max_batch)
+        runner = engine.batch_runner(max_batch, idle_release_s=kv_idle_release or None)
         config = ServerConfig(model_id=engine.source.name, api_key=api_key, max_tokens_limit=max_tokens_limit,
                               max_queue=max_queue, speculative=speculative.get("speculative", "off"), **kv_request)
         try:

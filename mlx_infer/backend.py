@@ -1,6 +1,8 @@
 """The compute backend MLX runs on, and the CPU fast path (float32 weights where the CPU backend's quantized
 matmul is slow and an optimized BLAS is loaded; see blas.py)."""
 
+import ctypes
+import ctypes.util
 import os
 
 import mlx.core as mx
@@ -33,3 +35,16 @@ def prefer_float_weights(float_bytes: int) -> bool:
         and blas_in_use() != "reference"
         and float_bytes < total_memory_bytes() // 4
     )
+
+
+def return_free_memory() -> None:
+    """Give freed memory back to the system: MLX's cache of freed buffers (mx.clear_cache), then, with glibc,
+    the C heap's free pages (malloc_trim: MLX's CPU buffers of up to 32 MiB come from the heap, whose free
+    pages stay mapped otherwise; measured: after 16 batched requests and the pool shrunk, RSS 646 MiB
+    without it, 259 MiB with it, against 263 MiB before the requests)."""
+    mx.clear_cache()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)

@@ -21,3 +21,6 @@ CLEAR_CACHE_ROUNDS = 256
 PREFILL_PROGRESS_TOKENS = 512
 #: Most requests decoded together in one batched forward (the CPU kernels' widest skinny product is 16 rows).
 MAX_BATCH = 16
+#: Seconds a batch runner (the server) stays idle before it gives its KV memory back: the prefix cache is
+#: forgotten and the block pool shrinks to its initial size (Ollama keeps an idle model 5 minutes).
+IDLE_RELEASE_S = 300.0

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from .backend import backend_name, blas_in_use
 from .batch import BatchRequest, BatchRunner, BatchScheduler
-from .defaults import MAX_BATCH
+from .defaults import IDLE_RELEASE_S, MAX_BATCH
 from .errors import MlxInferError
 from .generation.decode import plain_tokens
 from .generation.assemble import StepAssembler
@@ -540,13 +540,16 @@ class Engine:
         self._drop_kept()
         return BatchScheduler(self.model, self._batch_kv(), max_batch, prefix_cache, solo=self._solo_tokens)
 
-    def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchRunner:
+    def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
+                     idle_release_s: Optional[float] = IDLE_RELEASE_S) -> BatchRunner:
         """A continuous-batching decode loop on its own thread: `submit(prompt_ids, params)` from any thread
         returns a RequestHandle to stream from or cancel (what the server uses); `submit(...,
         speculative="auto")` decodes speculatively while the request runs alone; `submit(...,
-        evict="h2o:0.5")` evicts as generate_batch. While it runs, use the engine
-        only through it. Close it (or use it as a context manager) when done."""
-        return BatchRunner(self.scheduler(max_batch, prefix_cache), self._batch_request)
+        evict="h2o:0.5")` evicts as generate_batch. After idle_release_s seconds without a request (None:
+        never) it gives its KV memory back: the prefix cache is forgotten and the block pool shrinks, so the
+        next request prefills in full. While it runs, use the engine only through it. Close it (or use it as
+        a context manager) when done."""
+        return BatchRunner(self.scheduler(max_batch, prefix_cache), self._batch_request, idle_release_s)
 
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,

@@ -13,11 +13,13 @@ made them); callers only put requests in and read steps out of per-request queue
 import atexit
 import queue
 import threading
+import time
 import weakref
 from typing import Callable, Iterator, List, Optional
 
 import mlx.core as mx
 
+from ..backend import return_free_memory
 from ..errors import MlxInferError
 from ..generation.results import GenerationResult, GenerationStep, collect
 from .request import BatchRequest
@@ -95,11 +97,17 @@ class BatchRunner:
         scheduler: the BatchScheduler (used by this thread only from now on).
         make_request: (prompt_ids, params, emit, speculative, evict, repack) -> BatchRequest, validating on
             the caller's thread.
+        idle_release_s: seconds without a request after which the runner gives its KV memory back
+            (PagedKV.release_idle: the prefix cache is forgotten, the pool shrinks; then
+            backend.return_free_memory), once per idle spell; None: never.
     """
 
-    def __init__(self, scheduler: BatchScheduler, make_request: Callable[..., BatchRequest]):
+    def __init__(self, scheduler: BatchScheduler, make_request: Callable[..., BatchRequest],
+                 idle_release_s: Optional[float] = None):
         self.scheduler = scheduler
         self._make_request = make_request
+        self.idle_release_s = idle_release_s
+        self.releases = 0  # idle spells that gave memory back
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlx-infer-batch", daemon=True)
@@ -137,10 +145,22 @@ class BatchRunner:
             except MlxInferError as e:
                 req.fail(e)
 
+    def _release_when_idle(self, idle_since: Optional[float]) -> Optional[float]:
+        """Give the KV memory back once the runner has been idle idle_release_s seconds; returns the idle
+        spell's start, or None once released (until the next request)."""
+        if idle_since is None or self.idle_release_s is None or time.monotonic() - idle_since < self.idle_release_s:
+            return idle_since
+        self.scheduler.kv.release_idle()
+        return_free_memory()
+        self.releases += 1
+        return None
+
     def _loop(self) -> None:
         sched = self.scheduler
+        idle_since: Optional[float] = None  # None: nothing to give back since the last release (or the start)
         while not self._closed.is_set():
             if not sched.busy:
+                idle_since = self._release_when_idle(idle_since)
                 try:
                     self._take(self._inbox.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
@@ -159,6 +179,7 @@ class BatchRunner:
                     r.fail(MlxInferError(f"generation failed: {e}"))
             if not sched.busy:
                 mx.clear_cache()  # idle: MLX's cache of freed buffers goes back to the system
+                idle_since = time.monotonic()
         for r in sched.fail_all():
             r.fail(MlxInferError("the runner was closed before the request finished"))
         mx.synchronize()

@@ -107,6 +107,18 @@ class PagedKV:
         if self.pool.budget_bytes is None and self.prefix.max_blocks is None:
             self.prefix.max_blocks = PREFIX_CACHE_BYTES // self.pool.block_bytes
 
+    def release_idle(self) -> int:
+        """When no request holds a block: forget the prefix cache (its blocks go back to the pool) and shrink
+        the pool to its initial capacity, so its memory can return to the system (backend.return_free_memory).
+        The next request grows it again and prefills its prompt in full. Returns the pool bytes released
+        (0 while a request holds blocks)."""
+        if self.pool.blocks_in_use > self.prefix.idle_blocks:  # a request holds blocks
+            return 0
+        before = self.pool.nbytes
+        self.prefix.clear()
+        self.pool.shrink()
+        return before - self.pool.nbytes
+
     def check_budget(self) -> None:
         """Raise KVBudgetError when the budget cannot hold a single block (the layout probed first), so that
         a budget too small for any request fails where it is given, not on every request."""

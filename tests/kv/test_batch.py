@@ -252,6 +252,38 @@ def test_runner_threads_and_cancel(engine):
         runner.submit(engine.encode("Hi"), SamplingParams())
 
 
+def test_an_idle_runner_gives_its_kv_memory_back(engine):
+    """After idle_release_s without a request the runner forgets its prefix cache and shrinks the pool to its
+    initial capacity; a later request prefills in full (no cached tokens) and gives the same tokens."""
+    prompts = [p + " Answer in detail." * 40 for p in PROMPTS]  # ~200 tokens each: more than the initial blocks
+    want = [engine.generate(p, max_tokens=24).token_ids for p in prompts]
+    with engine.batch_runner(idle_release_s=0.5) as runner:
+        kv = engine._batch_kv()
+        handles = [runner.submit(engine.encode(p), SamplingParams(max_tokens=24)) for p in prompts]
+        assert [h.result().token_ids for h in handles] == want
+        grown, initial = kv.pool.capacity, kv.pool.initial_blocks
+        assert grown > initial and len(kv.prefix) > 0 and runner.releases == 0
+        for _ in range(60):
+            if runner.releases:
+                break
+            threading.Event().wait(0.1)
+        assert runner.releases == 1
+        assert kv.pool.capacity == initial and len(kv.prefix) == 0 and kv.pool.blocks_in_use == 0
+        again = runner.submit(engine.encode(prompts[0]), SamplingParams(max_tokens=24)).result()
+        assert again.token_ids == want[0] and again.stats.cached_prompt_tokens == 0
+
+
+def test_release_idle_waits_for_requests_to_leave(engine):
+    """PagedKV.release_idle releases nothing while a request holds blocks."""
+    kv = engine._batch_kv()
+    cache = kv.new_cache()
+    engine.model(mx.array([engine.encode(PROMPTS[1])]), cache=cache)
+    held = kv.pool.blocks_in_use
+    assert held > 0 and kv.release_idle() == 0 and kv.pool.blocks_in_use == held
+    cache[0].sequence.release()
+    assert kv.release_idle() >= 0 and kv.pool.blocks_in_use == 0
+
+
 def test_runner_left_open_closes_at_exit(default_gguf, tmp_path):
     """A runner never closed is closed at interpreter exit (else MLX aborts the process: exit 134)."""
     script = tmp_path / "open_runner.py"
