@@ -18,6 +18,8 @@ from rich.table import Table
 from mlx_infer import backend
 from mlx_infer.kernels import cpu as cpu_kernels
 from mlx_infer.kernels.attention import attention_backend
+from mlx_infer.kernels.move_rows import move_rows_backend
+from mlx_infer.kernels.paged_attention import paged_attention_backend
 from mlx_infer.kernels.qmm import qmm_backend
 from mlx_infer.kernels.rmm import rmm_backend
 from mlx_infer.loading import default
@@ -125,6 +127,7 @@ def collect() -> dict:
         "kernels": qmm_backend() if backend_name != "cpu" or cpu_kernels.available() else "reference",
         "attention_kernel": attention_backend(),
         "rmm_kernel": rmm_backend(),
+        "paged_kv_kernels": {"attention": paged_attention_backend(), "repack": move_rows_backend()},
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "cache_dir": str(cache),
@@ -159,7 +162,9 @@ def render(info: dict) -> Table:
     else:
         threads = f", {info['kernel_threads']} threads" if info["kernel_threads"] else ""
         table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}; quantized-KV attention: "
-                                 f"{info['attention_kernel']}; reduced matmul (--rmm): {info['rmm_kernel']}")
+                                 f"{info['attention_kernel']}; reduced matmul (--rmm): {info['rmm_kernel']}; paged KV "
+                                 f"attention / repacking: {info['paged_kv_kernels']['attention']} / "
+                                 f"{info['paged_kv_kernels']['repack']}")
     if info["backend"] == "cpu":
         if info["kernel_threads"]:
             fast = "quantized weights on the CPU kernels (--weights auto)"

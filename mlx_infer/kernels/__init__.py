@@ -10,6 +10,8 @@ by the default device and what is available.
 - `paged_attention`: attention over a float paged KV pool read in place through the token table's rows
   (`paged_attention.paged_attention`, `paged_attention.paged_attention_backend`), on the CPU kernel or the
   pure-mx reference (gather + masked softmax); batched decode steps use it (kv/batch.py).
+- `move_rows`: the repacker's row moves inside a pool array (`move_rows.move_rows`), in place on the CPU
+  kernel, a gather + scatter (a whole copy) elsewhere.
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
   CPU kernel, the GPU body of `gpu_rmm` or the pure-mx reference.
 """
