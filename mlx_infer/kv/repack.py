@@ -13,7 +13,10 @@ gathers from the arrays the copy produced, so MLX computes the copy first (the m
 next attention; across streams MLX waits on the copy's event). The copy is not evaluated on its own: an
 `mx.async_eval` of it waited, on the CPU backend, for the forward still in flight (27-36 ms of host time
 for a 250-token repack at 2k tokens, against 1 ms without it). A repack moves at most REPACK_MAX_MOVES
-tokens, the sparsest blocks first; the rest waits for the next step.
+tokens, the sparsest blocks first; the rest waits for the next step: once triggered, repacking goes on step
+after step until no plan saves a block (the whole plan, spread over steps), and only then waits for the
+trigger again. (Stopping as soon as the waste fell under the threshold left a 4k-token H2O request at 153
+blocks where one packing gives 129: 32% fewer blocks than Naive-Evict instead of 43%.)
 """
 
 import math
@@ -107,6 +110,7 @@ class Repacker:
     repacks: int = 0
     blocks_saved: int = 0
     repack_s: float = 0.0  # host time planning and enqueueing (seconds)
+    packing: bool = False  # a triggered repack goes on over the next steps until no plan saves a block
     stream: mx.Stream = field(default_factory=lambda: mx.new_stream(mx.default_device()))
 
     def due(self, sequence: PagedSequence) -> bool:
@@ -119,12 +123,14 @@ class Repacker:
         return pool.free_blocks <= self.low_watermark * pool.max_blocks
 
     def maybe_repack(self, sequence: PagedSequence, force: bool = False) -> Optional[RepackPlan]:
-        """Repack `sequence` when due, at most `max_moves` tokens (or `force`d and enabled: every sparse block,
-        at once); returns the committed plan or None."""
-        if not self.enabled or not sequence.ready() or not (force or self.due(sequence)):
+        """Repack `sequence` when due or while a triggered repack goes on, at most `max_moves` tokens (or
+        `force`d and enabled: every sparse block, at once); returns the committed plan or None (which ends
+        the repack until the next trigger)."""
+        if not self.enabled or not sequence.ready() or not (force or self.packing or self.due(sequence)):
             return None
         t0 = time.perf_counter()
         plan = plan_repack(sequence.table, sequence.pool, None if force else self.max_moves)
+        self.packing = plan is not None and not force
         if plan is not None:
             commit(sequence, plan, self.stream)  # evaluated with the next forward, which reads the moved rows
             self.repacks += 1
