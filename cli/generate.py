@@ -2,6 +2,7 @@
 
 import json
 import sys
+import warnings
 from typing import Annotated
 
 import typer
@@ -89,6 +90,10 @@ def generate(
         else:
             final = stream_to_stdout(engine.stream_steps(prompt_ids, params, **kwargs))
         bar.close()
+        if final.generated_tokens < params.max_tokens and final.prompt_tokens + final.generated_tokens >= engine.context_length:
+            warnings.warn(f"stopped at the model's context window ({engine.context_length} tokens: "
+                          f"{final.prompt_tokens} prompt + {final.generated_tokens} generated), before -n "
+                          f"{params.max_tokens}; shorten the prompt for a longer answer")
         if stats or verbose:
             print_stats(final)
 

@@ -86,7 +86,8 @@ KVCacheOpt = Annotated[str, typer.Option(
          "token table per request (vToken), needed for --evict with blocks really freed.")]
 KVBudgetOpt = Annotated[Optional[str], typer.Option(
     "--kv-budget", metavar="BYTES|FRACTION", rich_help_panel=KV,
-    help="Most KV memory of the paged cache: 512MB, 2GiB, ... or a fraction of free memory (0.5). Default: no limit.")]
+    help="Most KV memory of the paged cache: 512MB, 2GiB, ... (a bare integer is bytes) or a fraction of free "
+         "memory with a decimal point (0.5, 1.0). Default: no limit.")]
 EvictOpt = Annotated[Optional[str], typer.Option(
     "--evict", metavar="POLICY:RATIO", rich_help_panel=KV,
     help="Evict this fraction of the KV tokens with a policy: h2o, scissorhands, streaming, snapkv, random "

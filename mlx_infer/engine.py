@@ -7,6 +7,7 @@
 """
 
 import copy
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Union
@@ -301,12 +302,20 @@ class Engine:
         Raises:
             MlxInferError: an id that is not an int in the model's vocabulary.
         """
-        return self.tokenizer.decode(self._checked_ids(list(token_ids)))
+        try:
+            ids = None if isinstance(token_ids, (str, bytes)) else list(token_ids)
+        except TypeError:
+            ids = None
+        if ids is None:
+            raise MlxInferError(f"decode takes a list of token ids (ints), got {type(token_ids).__name__}")
+        return self.tokenizer.decode(self._checked_ids(ids))
 
     def _checked_ids(self, ids: List) -> List[int]:
-        """ids as ints, or MlxInferError naming the first that is not an int in 0..vocab_size - 1."""
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size),
-                   None)
+        """ids as ints, or MlxInferError naming the first that is not an int or not in 0..vocab_size - 1."""
+        odd = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if odd is not None:
+            raise MlxInferError(f"token ids must be ints, got {odd!r} ({type(odd).__name__})")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise MlxInferError(f"token id {bad!r} is outside the model's vocabulary (0..{self.vocab_size - 1})")
         return [int(t) for t in ids]

@@ -64,14 +64,15 @@ def free_memory_bytes() -> int:
 
 def parse_budget(budget: Union[None, int, float, str]) -> Optional[int]:
     """The KV budget in bytes: None (no limit), an int of bytes, a string with a unit ("512MB", "2GiB";
-    k/m/g alone are binary) or a fraction of free memory in (0, 1] ("0.5" or 0.5).
+    k/m/g alone are binary; no unit and no decimal point: bytes) or a fraction of free memory in (0, 1]
+    written with a decimal point ("0.5", "1.0" or 0.5).
 
     Raises:
         MlxInferError: a value that does not parse, is not positive, or is a fraction when free memory is unknown.
     """
     if budget is None:
         return None
-    hint = "give bytes (e.g. 512MB, 2GiB) or a fraction of free memory in (0, 1] (e.g. 0.5)"
+    hint = "give bytes (e.g. 512MB, 2GiB; a bare integer is bytes) or a fraction of free memory (e.g. 0.5, 1.0)"
     if isinstance(budget, bool):
         raise MlxInferError(f"kv_budget cannot be {budget!r}: {hint}")
     if isinstance(budget, int):

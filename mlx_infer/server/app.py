@@ -41,6 +41,13 @@ log = logging.getLogger("mlx_infer.server")
 DISCONNECT_POLL_S = 0.5
 
 
+def generation_failed(error: BaseException) -> APIError:
+    """The 500 of a request the runner failed: the runner's own MlxInferError text ('generation failed:
+    ...', 'the runner was closed ...') as it is, anything else prefixed with 'generation failed:'."""
+    text = str(error) if isinstance(error, MlxInferError) else f"generation failed: {error}"
+    return APIError(500, text, kind="server_error")
+
+
 class ShuttingDown:
     """Put in a request's step queue when the server stops: the request ends at once (SSE: an error event,
     then [DONE]; not streaming: 503)."""
@@ -224,7 +231,7 @@ class Server:
                 if isinstance(step, ShuttingDown):
                     raise APIError(503, "the server is shutting down; retry on another server", kind="server_error")
                 if isinstance(step, BaseException):
-                    raise APIError(500, f"generation failed: {step}", kind="server_error")
+                    raise generation_failed(step)
                 text.append(step.text)
                 final = step if step.finish_reason is not None else None
         finally:
@@ -257,7 +264,7 @@ class Server:
                 step = await steps.get()
                 if isinstance(step, (BaseException, ShuttingDown)):
                     err = (APIError(503, "the server is shutting down", kind="server_error") if isinstance(step, ShuttingDown)
-                           else APIError(500, f"generation failed: {step}", kind="server_error"))
+                           else generation_failed(step))
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 if step.text or step.finish_reason is None:

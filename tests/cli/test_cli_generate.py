@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+from gguf_factory import TinySpec, random_weights, write_gguf
 
 QUESTION = "What is the capital of France?"
 STATS_LINE = re.compile(r"prompt (\d+) tok, generated (\d+) tok \| TTFT [\d.]+ s .*decode [\d.]+ tok/s \| peak memory")
@@ -62,3 +63,20 @@ def test_seeded_sampling_is_reproducible(run_cli):
     first, second = run_cli(*args), run_cli(*args)
     assert first.returncode == 0 and second.returncode == 0
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+def test_stopping_at_the_context_window_is_said(run_cli, tmp_path):
+    """A tiny model with a 64-token context: a 45-token prompt and -n 100 stop at the window (finish_reason
+    'length', as OpenAI's), and stderr says why the answer is shorter than -n."""
+    spec = TinySpec("llama", context=64)
+    model = write_gguf(tmp_path / "tiny64.gguf", spec, random_weights(spec, seed=0))
+    proc = run_cli("generate", "a b c d e f g h i j k l m n o p q r s t u v w x y", "-m", model, "--no-chat-template",
+                   "-n", "100", "--spec", "off", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    prompt, generated = out["stats"]["prompt_tokens"], out["stats"]["generated_tokens"]
+    assert out["finish_reason"] == "length" and prompt + generated == 64 and generated < 100
+    assert (f"warning: stopped at the model's context window (64 tokens: {prompt} prompt + {generated} generated), "
+            "before -n 100") in proc.stderr
+    short = run_cli("generate", "a b c", "-m", model, "--no-chat-template", "-n", "3", "--spec", "off")
+    assert short.returncode == 0 and "context window" not in short.stderr

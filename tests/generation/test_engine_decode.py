@@ -1,6 +1,7 @@
 """Engine.decode: the text of token ids, the inverse of encode for a plain prompt; what generate's text is
 for its token ids; bad ids are one MlxInferError line."""
 
+import numpy as np
 import pytest
 
 from mlx_infer.errors import MlxInferError
@@ -12,10 +13,13 @@ def test_decode_inverts_encode_and_matches_generate(default_engine):
     result = default_engine.generate("Name three colors.", max_tokens=8)
     assert result.finish_reason == "length"
     assert default_engine.decode(result.token_ids) == result.text
+    assert default_engine.decode(np.array(result.token_ids)) == result.text  # any iterable of integers
 
 
 @pytest.mark.parametrize("ids, needle", [([1, 10 ** 9], "token id 1000000000 is outside"), ([-3], "token id -3"),
-                                         ([True], "token id True"), (["7"], "token id '7'")])
+                                         ([True], "token ids must be ints, got True"),
+                                         (["7"], "token ids must be ints, got '7' \\(str\\)"),
+                                         (None, "decode takes a list of token ids"), ("12", "got str")])
 def test_decode_refuses_ids_outside_the_vocabulary(default_engine, ids, needle):
     with pytest.raises(MlxInferError, match=needle):
         default_engine.decode(ids)

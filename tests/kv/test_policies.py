@@ -91,6 +91,16 @@ def test_snapkv_heads_vote():
     assert kept == {4, 5, 6, 7, 8, 20, 21, 22, 23}  # 4..7 kept by both heads, then 8 over 3
 
 
+def test_snapkv_evicts_nothing_from_a_prompt_within_its_window():
+    """A prompt no longer than the window has no prefix to rank: nothing is evicted (it raised on the empty
+    prefix); asked for more than the prefix, it evicts the prefix alone."""
+    p = make_policy("snapkv", window=32, kernel=5)
+    p.observe(stats(range(31), np.ones((3, 31))))
+    assert p.choose(table_of(31), 15).size == 0
+    p.observe(stats(range(40), np.ones((3, 40))))
+    assert list(p.choose(table_of(40), 20)) == list(range(8))
+
+
 def test_random_evicts_distinct_live_tokens_repeatably():
     t = table_of(30, dead=range(0, 30, 3))
     a, b = make_policy("random", seed=4).choose(t, 12), make_policy("random", seed=4).choose(t, 12)

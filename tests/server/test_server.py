@@ -19,7 +19,9 @@ import pytest
 from server_helpers import live_server
 
 import mlx_infer
+from mlx_infer.errors import MlxInferError
 from mlx_infer.server import ServerConfig, build_app
+from mlx_infer.server.app import generation_failed
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
              "Explain what a CPU does in one sentence.", "Say hi.", "Count from one to ten.",
@@ -184,6 +186,14 @@ def test_bad_content_length_reaching_the_app_is_a_400(engine):
     assert sent[0]["status"] == 400
     error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
     assert "Content-Length header must be a number" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_failed_generation_says_so_once():
+    """The runner's own error already reads 'generation failed: ...' (it said it twice)."""
+    ran = generation_failed(MlxInferError("generation failed: a forward broke")).body()["error"]
+    other = generation_failed(RuntimeError("a forward broke")).body()["error"]
+    assert ran["message"] == other["message"] == "generation failed: a forward broke"
+    assert ran["type"] == other["type"] == "server_error"
 
 
 def test_internal_error_is_logged_once(server, engine, monkeypatch, caplog):

@@ -1,7 +1,9 @@
 """SnapKV (arXiv 2404.14469): once, after prefill, the last `window` prompt queries vote: per head, their
 attention summed over the window and smoothed by a 1-D average pool (kernel 5) ranks the prefix; each head
-keeps its top (kept - window) tokens, the window itself is kept. With one token table for all heads, a
-token survives by the number of heads that keep it (ties: its pooled score summed over heads)."""
+keeps its top (kept - window) tokens, the window itself is kept (so a prompt no longer than the window
+loses nothing, and a ratio that asks for more than the prefix evicts the whole prefix). With one token table
+for all heads, a token survives by the number of heads that keep it (ties: its pooled score summed over
+heads)."""
 
 import numpy as np
 
@@ -25,6 +27,8 @@ class SnapKV:
     def choose(self, table: TokenTable, n: int) -> np.ndarray:
         live = table.live_tokens()
         prefix = live[: max(0, live.size - self.window)]
+        if prefix.size == 0 or n <= 0:  # a prompt no longer than the window: nothing outside it to evict
+            return prefix[:0]
         keep = max(0, prefix.size - n)
         seen = self.stats is not None
         a = self.stats.attention[:, np.isin(self.stats.tokens, prefix)] if seen else np.zeros((1, prefix.size))
