@@ -90,7 +90,8 @@ def generate(
         else:
             final = stream_to_stdout(engine.stream_steps(prompt_ids, params, **kwargs))
         bar.close()
-        if final.generated_tokens < params.max_tokens and final.prompt_tokens + final.generated_tokens >= engine.context_length:
+        held = final.prompt_tokens + final.generated_tokens  # what the context window holds at the end
+        if final.generated_tokens < params.max_tokens and held >= engine.context_length:
             warnings.warn(f"stopped at the model's context window ({engine.context_length} tokens: "
                           f"{final.prompt_tokens} prompt + {final.generated_tokens} generated), before -n "
                           f"{params.max_tokens}; shorten the prompt for a longer answer")

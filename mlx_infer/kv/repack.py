@@ -6,9 +6,9 @@ free blocks at or below the low watermark (an unbounded pool: the waste alone). 
 (not full of live tokens, held by this request only: blocks shared by several requests are never moved) and
 their live tokens in logical order, packed into ceil(live / block_size) destination blocks; a plan is
 committed only when it strictly reduces the blocks. Destinations are the lowest ids among the free blocks
-and the sources (so the used blocks stay at the front of the pool and it can shrink). Copy: one gather and
-one scatter per layer and K/V on a separate MLX stream; the reads see the pool before the move, so
-destinations may be sources. The table is updated at once after the copy is built; the next forward
+and the sources (so the used blocks stay at the front of the pool and it can shrink). Copy: one row move per
+layer and K/V plane (kernels.move_rows: in place on the CPU kernel) on a separate MLX stream; the reads see
+the pool before the move, so destinations may be sources. The table is updated at once after the copy is built; the next forward
 gathers from the arrays the copy produced, so MLX computes the copy first (the move is visible before the
 next attention; across streams MLX waits on the copy's event). The copy is not evaluated on its own: an
 `mx.async_eval` of it waited, on the CPU backend, for the forward still in flight (27-36 ms of host time
@@ -16,7 +16,7 @@ for a 250-token repack at 2k tokens, against 1 ms without it). A repack moves at
 tokens, the sparsest blocks first; the rest waits for the next step: once triggered, repacking goes on step
 after step until no plan saves a block (the whole plan, spread over steps), and only then waits for the
 trigger again. (Stopping as soon as the waste fell under the threshold left a 4k-token H2O request at 153
-blocks where one packing gives 129: 32% fewer blocks than Naive-Evict instead of 43%.)
+blocks where one packing gives 129: 32% fewer blocks than Naive-Evict instead of 42%.)
 """
 
 import math
