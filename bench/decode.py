@@ -5,6 +5,9 @@ Rows (same GGUF, same prompt, greedy, same process):
                         (MLX's own quantized matmul)
   mlx-infer (native)    the same weights through mlx-infer's Engine: on the CPU its quantized layers run on
                         mlx-infer's kernel (what weights="auto" picks when the kernel is available)
+  mlx-infer (native, MLX's RMSNorm / RoPE)
+                        the same, with the model's RMSNorm and RoPE on MLX's own mx.fast ops (which MLX's CPU
+                        backend runs as 11 and 29 operations) instead of mlx-infer's CPU kernels
   mlx-lm (float32)      mlx_lm.stream_generate on the dequantized float32 model
   mlx-infer (float32)   the float32 CPU path (what weights="auto" picks without the kernel, with OpenBLAS)
   llama.cpp             llama-cpp-python on the same GGUF, when it is installed, with as many threads as
@@ -25,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 from common import interleaved, machine, machine_line, median, time_tokens, write_result  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_map_with_path  # noqa: E402
 from mlx_lm import load as mlx_lm_load, stream_generate  # noqa: E402
+
+from mlx_infer.kernels.rms_norm import KernelRMSNorm  # noqa: E402
+from mlx_infer.kernels.rope import KernelRoPE  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -43,6 +51,22 @@ def mlx_infer_runner(engine, prompt_ids, max_tokens):
         return time_tokens(s for s in engine.stream_steps(prompt_ids, max_tokens=max_tokens) if s.token is not None)
 
     return run
+
+
+def with_mlx_layers(model: nn.Module) -> nn.Module:
+    """`model` (in place) with mlx-infer's RMSNorm / RoPE kernel layers swapped back for mlx.nn's own (same
+    weights); the quantized products stay on the kernel."""
+    def swap(_, m):
+        if isinstance(m, KernelRMSNorm):
+            plain = nn.RMSNorm(m.weight.shape[0], eps=m.eps)
+            plain.weight = m.weight
+            return plain
+        if isinstance(m, KernelRoPE):
+            return nn.RoPE(m.dims, traditional=m.traditional, base=m.base, scale=m.scale)
+        return m
+
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    return model
 
 
 def llama_cpp_runner(gguf_path, prompt, max_tokens):
@@ -69,12 +93,15 @@ def main():
 
     native = mlx_infer.load(args.model, weights="native")
     fast = mlx_infer.load(args.model, weights="float32")
+    mlx_layers = mlx_infer.load(args.model, weights="native")
+    with_mlx_layers(mlx_layers.model)
     prompt_ids = native.encode(PROMPT)
     plain_model, plain_tokenizer = mlx_lm_load(str(native.source.mlx_dir))  # MLX's own quantized matmul
     runners = {
         "mlx-lm (native)": mlx_lm_runner(plain_model, plain_tokenizer, prompt_ids, args.max_tokens),
         f"mlx-infer (native, {native.source.kernels or 'MLX qmm'})": mlx_infer_runner(native, prompt_ids,
                                                                                       args.max_tokens),
+        "mlx-infer (native, MLX's RMSNorm / RoPE)": mlx_infer_runner(mlx_layers, prompt_ids, args.max_tokens),
         "mlx-lm (float32)": mlx_lm_runner(fast.model, fast.tokenizer, prompt_ids, args.max_tokens),
         "mlx-infer (float32)": mlx_infer_runner(fast, prompt_ids, args.max_tokens),
     }
@@ -105,10 +132,10 @@ def main():
     print(f"model: {native.source.name} ({native.source.path.name}); prompt {len(prompt_ids)} tokens; "
           f"{args.max_tokens} new tokens; median of {args.trials} interleaved trials")
     print(machine_line(info))
-    print(f"{'path':<34}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
+    print(f"{'path':<42}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
     for r in rows:
         ratio = f"{r['decode_vs_mlx_lm']:.2f}x" if r["decode_vs_mlx_lm"] else "-"
-        print(f"{r['name']:<34}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['decode_tps']:>14.1f}{ratio:>11}")
+        print(f"{r['name']:<42}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['decode_tps']:>14.1f}{ratio:>11}")
     path = write_result("decode", {"machine": info, "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
                                    "trials": args.trials, "rows": rows, "raw": results})
     print(f"wrote {path}")

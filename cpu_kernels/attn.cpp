@@ -300,11 +300,11 @@ mx::array paged_attention(
   check_paged_operands(q, k_pool.shape(1), v_pool.shape(1), index, lengths, q_pos, k_pos, window,
                        "k_pool " + shape_str(k_pool));
   mx::Stream stream = cpu_stream(s);
-  mx::array qf = row_contiguous(mx::astype(q, mx::float32, stream), stream);
+  // The operands go in as they are (a lazily computed one would need a copy operation in the graph to be
+  // known row-contiguous now): eval_cpu reads each through contiguous_data.
   return mx::array(
       {q.shape(0), q.shape(1), q.shape(2), v_pool.shape(1)}, q.dtype(), std::make_shared<PagedAttention>(stream, scale, window),
-      {qf, row_contiguous(k_pool, stream), row_contiguous(v_pool, stream), row_contiguous(index, stream),
-       row_contiguous(lengths, stream), row_contiguous(q_pos, stream), row_contiguous(k_pos, stream)});
+      {mx::astype(q, mx::float32, stream), k_pool, v_pool, index, lengths, q_pos, k_pos});
 }
 
 mx::array paged_quant_attention(
@@ -351,10 +351,9 @@ mx::array paged_quant_attention(
   }
   check_paged_operands(q, dims[0], dims[1], index, lengths, q_pos, k_pos, window, "k " + shape_str(k));
   mx::Stream stream = cpu_stream(s);
-  mx::array qf = row_contiguous(mx::astype(q, mx::float32, stream), stream);
-  std::vector<mx::array> inputs{qf};
+  std::vector<mx::array> inputs{mx::astype(q, mx::float32, stream)};  // as they are: see paged_attention
   for (const mx::array* a : {&k, &k_scales, &k_biases, &v, &v_scales, &v_biases, &index, &lengths, &q_pos, &k_pos}) {
-    inputs.push_back(row_contiguous(*a, stream));
+    inputs.push_back(*a);
   }
   return mx::array({q.shape(0), q.shape(1), q.shape(2), dims[1]}, q.dtype(),
                    std::make_shared<PagedAttention>(stream, scale, window, group_size, bits[0], bits[1]), inputs);
@@ -362,10 +361,6 @@ mx::array paged_quant_attention(
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const bool quant = k_bits_ > 0;
-  const char* float_names[] = {"q", "k_pool", "v_pool", "index", "lengths", "q_pos", "k_pos"};
-  const char* quant_names[] = {"q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases", "index", "lengths",
-                               "q_pos", "k_pos"};
-  for (size_t i = 0; i < inputs.size(); ++i) require_row_contiguous(inputs[i], quant ? quant_names[i] : float_names[i]);
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -374,12 +369,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const int at = quant ? 7 : 3;  // where index, lengths, q_pos, k_pos start
   const mx::array& index = inputs[at];
   PagedAttnArgs a{};
-  a.q = inputs[0].data<float>();
-  a.k = inputs[1].data<void>();
-  a.v = inputs[quant ? 4 : 2].data<void>();
-  a.index = index.data<int32_t>();
-  a.q_pos = inputs[at + 2].data<int32_t>();
-  a.k_pos = inputs[at + 3].data<int32_t>();
   a.rows = inputs[1].shape(0);
   a.n_kv = index.shape(1);
   a.L = inputs[0].shape(2);
@@ -390,10 +379,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.window = window_;
   a.scale = scale_;
   if (quant) {
-    a.k_scales = inputs[2].data<void>();
-    a.k_biases = inputs[3].data<void>();
-    a.v_scales = inputs[5].data<void>();
-    a.v_biases = inputs[6].data<void>();
     a.group_size = group_size_;
     a.k_bits = k_bits_;
     a.v_bits = v_bits_;
@@ -404,7 +389,22 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const int B = index.shape(0);
   const Dtype out_dtype = to_kernel_dtype(out.dtype(), "out");
   const int64_t row_bytes = int64_t(a.Dv) * out.itemsize();
-  encoder.dispatch([a, B, out_dtype, row_bytes, lengths = inputs[at + 1].data<int32_t>(), y = out.data<char>()]() {
+  encoder.dispatch([a, B, quant, at, out_dtype, row_bytes, inputs, y = out.data<char>()]() mutable {
+    std::vector<std::vector<char>> copies(inputs.size());  // of the inputs that are not row-contiguous
+    auto data = [&](int i) { return contiguous_data(inputs[size_t(i)], copies[size_t(i)]); };
+    a.q = static_cast<const float*>(data(0));
+    a.k = data(1);
+    a.v = data(quant ? 4 : 2);
+    if (quant) {
+      a.k_scales = data(2);
+      a.k_biases = data(3);
+      a.v_scales = data(5);
+      a.v_biases = data(6);
+    }
+    a.index = static_cast<const int32_t*>(data(at));
+    const int32_t* lengths = static_cast<const int32_t*>(data(at + 1));
+    a.q_pos = static_cast<const int32_t*>(data(at + 2));
+    a.k_pos = static_cast<const int32_t*>(data(at + 3));
     flash_decode(
         B * a.n_kv, a.R, a.Dv, a.S, size_t(kAttnTile) * (a.D + a.Dv + a.R) + std::max(a.D, a.Dv),
         [&](int bh) { return std::clamp(lengths[bh / a.n_kv], 0, a.S); },

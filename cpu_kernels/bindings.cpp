@@ -1,5 +1,6 @@
 // Python bindings (nanobind, in MLX's "mlx" domain so that mx.array passes through unchanged).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -7,7 +8,9 @@
 #include "attn.h"
 #include "move.h"
 #include "qmm.h"
+#include "rms_norm.h"
 #include "rmm.h"
+#include "rope.h"
 #include "softmax.h"
 
 namespace nb = nanobind;
@@ -17,7 +20,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.doc() = "mlx-infer's CPU kernels (see mlx_infer/kernels/cpu.py)";
   m.def("qmm", &mlx_infer_kernels::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         nb::kw_only(), "stream"_a = nb::none(),
-        "y [M, N] = x [M, K] @ dequantize(w, scales, biases).T, accumulated in float32.");
+        "y [..., N] = x [..., K] @ dequantize(w, scales, biases).T, accumulated in float32.");
   m.def("dequantize_f32", &mlx_infer_kernels::dequantize_f32, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The weight as float32 [N, K].");
@@ -43,6 +46,11 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("move_rows", &mlx_infer_kernels::move_rows, "a"_a, "src"_a, "dst"_a, nb::kw_only(), "stream"_a = nb::none(),
         "a [R, W] with row dst[i] replaced by row src[i] (int32 [M]), in place when MLX can donate a's buffer "
         "(see move.h).");
+  m.def("rms_norm", &mlx_infer_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "y [..., D] = x / sqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm (see rms_norm.h).");
+  m.def("rope", &mlx_infer_kernels::rope, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "freqs"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "mx.fast.rope of x [B, ..., T, D] at positions (t + offset) * scale (see rope.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

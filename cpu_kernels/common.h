@@ -34,6 +34,13 @@ void check_group_size(int group_size, const std::string& op);
 mx::array row_contiguous(const mx::array& a, mx::Stream s);
 // The CPU stream of `s`; throws std::invalid_argument for a GPU stream.
 mx::Stream cpu_stream(mx::StreamOrDevice s);
+// Element offsets of the rows of `a` (ndim >= 1, any strides): one per index of its leading ndim - 1
+// dimensions, in row-major order; row i's element j is at data + offsets[i] + j * strides.back().
+std::vector<int64_t> row_offsets(const mx::array& a);
+// The bytes of `a` in row-major order: its own buffer when it is row-contiguous, else a copy made into
+// `scratch` (call inside the dispatched task: the data is ready then). Lets an operation take an input as
+// it comes instead of adding a copy operation to the graph for every lazily computed input.
+const void* contiguous_data(const mx::array& a, std::vector<char>& scratch);
 // Throws std::runtime_error when `a` is not row-contiguous.
 void require_row_contiguous(const mx::array& a, const char* what);
 // n floats of `buffer`, starting on a cache line.
@@ -50,9 +57,9 @@ QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::arra
 // and the output's buffer and dtype; every group read).
 QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::Stream stream, int group_size,
                      int bits);
-// load_x (below) for x of dtype float32, float16 or bfloat16.
-void load_x_as(const void* src, mx::Dtype dtype, const mx::Strides& st, int M, int K, int bits, int lanes,
-               float* dst);
+// load_x (below) for x of dtype float32, float16 or bfloat16: x [..., K] (any strides) as float32 [M, K],
+// M the product of the leading dimensions (the rows of row_offsets(x)).
+void load_x_as(const mx::array& x, int bits, int lanes, float* dst);
 
 // Products smaller than this (M * N * K multiply-adds) run on one thread: splitting them costs more
 // than it saves (measured with bench/kernels.py on 2 cores).
@@ -81,28 +88,30 @@ void split_rows(int N, int K, int64_t macs, F&& fn) {
   });
 }
 
-// x [M, K] (any strides) as row-contiguous float32 dst [M, K], in the kernel's order: for bits 4 each
-// block of 2 * lanes values holds its even-indexed values first, then the odd ones (the order the
-// kernel unpacks 4-bit codes in, see qmm_body.h).
+// x's M rows (row m at src + rows[m], element k at + k * sk) as row-contiguous float32 dst [M, K], in the
+// kernel's order: for bits 4 each block of 2 * lanes values holds its even-indexed values first, then
+// the odd ones (the order the kernel unpacks 4-bit codes in, see qmm_body.h).
 template <class T>
-void load_x(const T* src, const mx::Strides& st, int M, int K, int bits, int lanes, float* dst) {
+void load_x(const T* src, const int64_t* rows, int64_t sk, int M, int K, int bits, int lanes, float* dst) {
   for (int m = 0; m < M; ++m) {
-    const T* row = src + m * st[0];
+    const T* row = src + rows[m];
     float* out = dst + int64_t(m) * K;
     if (bits == 4) {
       for (int b = 0; b < K; b += 2 * lanes) {
         for (int i = 0; i < lanes; ++i) {
-          out[b + i] = static_cast<float>(row[(b + 2 * i) * st[1]]);
-          out[b + lanes + i] = static_cast<float>(row[(b + 2 * i + 1) * st[1]]);
+          out[b + i] = static_cast<float>(row[(b + 2 * i) * sk]);
+          out[b + lanes + i] = static_cast<float>(row[(b + 2 * i + 1) * sk]);
         }
       }
     } else {
       for (int k = 0; k < K; ++k) {
-        out[k] = static_cast<float>(row[k * st[1]]);
+        out[k] = static_cast<float>(row[k * sk]);
       }
     }
   }
 }
 
+// Row offsets 0, step, 2 * step, ... (M of them): the rows of a row-contiguous [M, step] matrix.
+std::vector<int64_t> strided_rows(int M, int64_t step);
 
 }  // namespace mlx_infer_kernels

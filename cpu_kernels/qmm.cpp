@@ -81,6 +81,49 @@ mx::Stream cpu_stream(mx::StreamOrDevice s) {
   return stream;
 }
 
+std::vector<int64_t> row_offsets(const mx::array& a) {
+  const int nd = int(a.ndim()) - 1;
+  int64_t rows = 1;
+  for (int i = 0; i < nd; ++i) rows *= a.shape(i);
+  std::vector<int64_t> out(size_t(std::max<int64_t>(rows, 0)));
+  std::vector<int64_t> idx(size_t(std::max(nd, 0)), 0);
+  int64_t off = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    out[size_t(r)] = off;
+    for (int i = nd - 1; i >= 0; --i) {  // odometer over the leading dimensions
+      off += a.strides()[i];
+      if (++idx[i] < a.shape(i)) break;
+      off -= a.strides()[i] * int64_t(a.shape(i));
+      idx[i] = 0;
+    }
+  }
+  return out;
+}
+
+const void* contiguous_data(const mx::array& a, std::vector<char>& scratch) {
+  if (a.flags().row_contiguous) return a.data<void>();
+  const size_t item = a.itemsize();
+  scratch.resize(a.nbytes());
+  if (a.ndim() == 0 || a.size() == 0) {
+    std::memcpy(scratch.data(), a.data<char>(), a.nbytes());
+    return scratch.data();
+  }
+  const int64_t W = a.shape(-1), sw = a.strides().back();
+  const std::vector<int64_t> rows = row_offsets(a);
+  const char* src = a.data<char>();
+  char* dst = scratch.data();
+  for (int64_t r : rows) {
+    const char* row = src + r * int64_t(item);
+    if (sw == 1) {
+      std::memcpy(dst, row, size_t(W) * item);
+    } else {
+      for (int64_t j = 0; j < W; ++j) std::memcpy(dst + j * item, row + j * sw * int64_t(item), item);
+    }
+    dst += W * int64_t(item);
+  }
+  return scratch.data();
+}
+
 void require_row_contiguous(const mx::array& a, const char* what) {
   if (!a.flags().row_contiguous) {
     throw std::runtime_error(std::string("[qmm] ") + what + " is not row-contiguous");
@@ -169,17 +212,19 @@ mx::array qmm(
     int bits,
     mx::StreamOrDevice s) {
   auto [N, K] = check_weights(w, scales, biases, group_size, bits);
-  if (x.ndim() != 2 || x.shape(1) != K) {
+  if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument(
-        "[qmm] x must be [M, " + std::to_string(K) + "] for w " + shape_str(w) + ", got " + shape_str(x));
+        "[qmm] x must be [..., " + std::to_string(K) + "] for w " + shape_str(w) + ", got " + shape_str(x));
   }
-  if (x.shape(0) < 1) {
+  if (x.size() == 0) {
     throw std::invalid_argument("[qmm] x must have at least one row");
   }
   to_kernel_dtype(x.dtype(), "x");
   mx::Stream stream = cpu_stream(s);
+  mx::Shape shape = x.shape();
+  shape.back() = N;
   return mx::array(
-      {x.shape(0), N},
+      std::move(shape),
       mx::promote_types(x.dtype(), scales.dtype()),  // as mx::quantized_matmul
       std::make_shared<Qmm>(stream, group_size, bits),
       {x, row_contiguous(w, stream), row_contiguous(scales, stream), row_contiguous(biases, stream)});
@@ -206,8 +251,8 @@ QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::S
   const mx::array& x = inputs[0];
   QmmArgs a = weight_args(inputs, 1, out, stream, group_size, bits);
   a.y = out.data<void>();
-  a.M = x.shape(0);
-  a.K = x.shape(1);
+  a.K = x.shape(-1);
+  a.M = int(x.size() / a.K);
   a.N = inputs[1].shape(0);
   a.ldy = a.N;
   a.G = a.K / a.group_size;
@@ -215,25 +260,33 @@ QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::S
   return a;
 }
 
-void load_x_as(const void* src, mx::Dtype dtype, const mx::Strides& st, int M, int K, int bits, int lanes,
-               float* dst) {
-  if (dtype == mx::float32) {
-    load_x(static_cast<const float*>(src), st, M, K, bits, lanes, dst);
-  } else if (dtype == mx::float16) {
-    load_x(static_cast<const mx::float16_t*>(src), st, M, K, bits, lanes, dst);
+void load_x_as(const mx::array& x, int bits, int lanes, float* dst) {
+  const std::vector<int64_t> rows = row_offsets(x);
+  const int M = int(rows.size()), K = x.shape(-1);
+  const int64_t sk = x.strides().back();
+  if (x.dtype() == mx::float32) {
+    load_x(x.data<float>(), rows.data(), sk, M, K, bits, lanes, dst);
+  } else if (x.dtype() == mx::float16) {
+    load_x(x.data<mx::float16_t>(), rows.data(), sk, M, K, bits, lanes, dst);
   } else {
-    load_x(static_cast<const mx::bfloat16_t*>(src), st, M, K, bits, lanes, dst);
+    load_x(x.data<mx::bfloat16_t>(), rows.data(), sk, M, K, bits, lanes, dst);
   }
+}
+
+std::vector<int64_t> strided_rows(int M, int64_t step) {
+  std::vector<int64_t> rows(size_t(std::max(M, 0)));
+  for (int m = 0; m < M; ++m) rows[size_t(m)] = m * step;
+  return rows;
 }
 
 void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& x = inputs[0];
   QmmArgs a = product_args(inputs, outputs[0], stream(), group_size_, bits_);
-  mx::cpu::get_command_encoder(stream()).dispatch([a, xp = x.data<void>(), xt = x.dtype(), xs = x.strides()]() mutable {
+  mx::cpu::get_command_encoder(stream()).dispatch([a, x]() mutable {
     const QmmKernel& k = kernel();
     std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order, on a cache line (small)
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
-    load_x_as(xp, xt, xs, a.M, a.K, a.bits, k.lanes, xf);
+    load_x_as(x, a.bits, k.lanes, xf);
     a.x = xf;
     split_rows(a.N, a.K, int64_t(a.M) * a.N * a.K, [&](int n0, int n1, float* scratch) {
       k.rows(a, n0, n1, scratch);
@@ -276,7 +329,9 @@ bool DequantizeF32::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::Shape> Qmm::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
 }
 
 std::vector<mx::Shape> DequantizeF32::output_shapes(const std::vector<mx::array>& inputs) {

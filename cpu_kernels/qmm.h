@@ -11,8 +11,9 @@ namespace mlx_infer_kernels {
 namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T, MLX's affine layout (as mx::quantized_matmul with
-// transpose=true): x [M, K] float32/float16/bfloat16 (any strides), w [N, K * bits / 32] uint32,
-// scales and biases [N, K / group_size] float32/float16/bfloat16 (one dtype, usually x's); y [M, N]
+// transpose=true): x [..., K] float32/float16/bfloat16 (any strides; its leading axes are the M rows),
+// w [N, K * bits / 32] uint32, scales and biases [N, K / group_size] float32/float16/bfloat16 (one
+// dtype, usually x's); y [..., N]
 // in promote_types(x, scales) (x's dtype when they match), accumulated in float32.
 // Each weight group is read once for all M rows. bits 4 or 8, group_size 32, 64 or 128.
 // Throws std::invalid_argument on other shapes or dtypes, or a stream that is not on the CPU.

@@ -12,6 +12,8 @@ by the default device and what is available.
   pure-mx reference (gather + masked softmax); batched decode steps use it (kv/batch.py).
 - `move_rows`: the repacker's row moves inside a pool array (`move_rows.move_rows`), in place on the CPU
   kernel, a gather + scatter (a whole copy) elsewhere.
+- `rms_norm`, `rope`: RMSNorm and RoPE as one operation each on the CPU kernel (`KernelRMSNorm`,
+  `KernelRoPE`, swapped in by `linear.use_kernels`); MLX's CPU backend runs mx.fast's as 11 and 29.
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
   CPU kernel, the GPU body of `gpu_rmm` or the pure-mx reference.
 """

@@ -329,14 +329,14 @@ def cpu_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_
     rows (equals mx.quantized_matmul(..., transpose=True) up to float32 rounding).
 
     Args:
-        x: [M, K] float32, float16 or bfloat16 (any strides).
+        x: [..., K] float32, float16 or bfloat16 (any strides); the leading axes are M rows.
         w: [N, K * bits / 32] uint32, MLX's affine packing (value j of a word in bits [bits*j, bits*j+bits)).
         scales, biases: [N, K / group_size], float32/float16/bfloat16 (usually x's dtype).
         group_size: 32, 64 or 128.
         bits: 4 or 8.
 
     Returns:
-        y [M, N] in promote_types(x.dtype, scales.dtype), accumulated in float32; on the CPU stream.
+        y [..., N] in promote_types(x.dtype, scales.dtype), accumulated in float32; on the CPU stream.
 
     Raises:
         RuntimeError: the kernels are not available (see why_not()).
@@ -483,3 +483,49 @@ def cpu_move_rows(a: mx.array, src: mx.array, dst: mx.array) -> mx.array:
         ValueError: a not 2-D, or src / dst not int32 [M] of one size.
     """
     return _module().move_rows(a, src, dst, stream=mx.cpu)
+
+
+def cpu_rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """mx.fast.rms_norm(x, weight, eps) as one operation on the CPU kernel (MLX's CPU backend runs it as
+    11): x / sqrt(mean(x^2) + eps) * weight, the mean in float32, the normalized row rounded to the output
+    dtype before the weight's product.
+
+    Args:
+        x: [..., D] float32 / float16 / bfloat16, any strides.
+        weight: [D], float.
+        eps: >= 0.
+
+    Returns:
+        [..., D] in promote_types(x.dtype, weight.dtype), on the CPU stream.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: a dtype, a weight shape or an eps the kernel does not take.
+    """
+    return _module().rms_norm(x, weight, eps, stream=mx.cpu)
+
+
+def cpu_rope(x: mx.array, dims: int, traditional: bool, base: Optional[float], scale: float, offset,
+             freqs: Optional[mx.array] = None) -> mx.array:
+    """mx.fast.rope(x, dims, traditional=, base=, scale=, offset=, freqs=) as one operation on the CPU
+    kernel (MLX's CPU backend runs it as 29), computed as MLX's own fallback (angles in float32).
+
+    Args:
+        x: [B, ..., T, D] float32 / float16 / bfloat16 (ndim >= 3), any strides.
+        dims: features rotated (even, <= D); the rest are copied.
+        traditional: rotate pairs (2i, 2i + 1) instead of (i, i + dims / 2).
+        base: the frequency base (None with freqs).
+        scale: positions are (t + offset) * scale.
+        offset: int, or an integer mx.array scalar or [B] (one per batch row).
+        freqs: [dims / 2] frequencies (theta_i = position / freqs[i]) instead of base.
+
+    Returns:
+        [B, ..., T, D] in x's dtype, row-contiguous, on the CPU stream.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: a dtype, ndim, dims, offset or freqs the kernel does not take.
+    """
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    return _module().rope(x, offset, dims, traditional, 1.0 if base is None else base, scale, freqs, stream=mx.cpu)

@@ -1,5 +1,6 @@
 """Quantized layers whose matmul goes through the kernel layer's `qmm`, and `use_kernels(model)`, which
-swaps them into a loaded mlx-lm model in place.
+swaps them (and nn.RMSNorm / nn.RoPE for their kernel twins, kernels/rms_norm.py and kernels/rope.py)
+into a loaded mlx-lm model in place.
 
 The swapped layers are subclasses of mlx.nn's QuantizedLinear / QuantizedEmbedding holding the very same
 arrays (no copy, same parameter names), so saving, `isinstance` checks and the embedding lookup are
@@ -11,6 +12,8 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from .qmm import qmm
+from .rms_norm import KernelRMSNorm
+from .rope import KernelRoPE
 
 #: What the kernels take: MLX's affine mode at these bit widths and group sizes.
 KERNEL_BITS = (4, 8)
@@ -75,15 +78,20 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
         return KernelQuantizedLinear(module)
     if type(module) is nn.QuantizedEmbedding and supports(module):
         return KernelQuantizedEmbedding(module)
+    if type(module) is nn.RMSNorm:
+        return KernelRMSNorm(module)
+    if type(module) is nn.RoPE:
+        return KernelRoPE(module)
     return module
 
 
 def use_kernels(model: nn.Module) -> int:
-    """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support for its
-    kernel twin, in place (same arrays; layers already swapped or unsupported are left as they are).
+    """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support, and every
+    nn.RMSNorm and nn.RoPE, for its kernel twin, in place (same arrays; layers already swapped, unsupported
+    or of other classes, such as a model's own norm class, are left as they are).
 
     Returns:
-        How many modules were swapped (0 for a model without quantized layers).
+        How many modules were swapped.
     """
     swapped = 0
 

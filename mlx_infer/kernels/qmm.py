@@ -123,6 +123,8 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     rows = math.prod(shape[:-1])
     if rows == 0:  # nothing to multiply; MLX's op gives the empty result's shape and dtype
         return reference_qmm(x, w, scales, biases, group_size, bits)
+    if rows <= QMM_MAX_ROWS and mx.default_device() == mx.cpu and cpu.available():
+        return cpu.cpu_qmm(x, w, scales, biases, group_size, bits)  # [..., N]: no reshapes in the graph
     x2 = x if len(shape) == 2 else x.reshape(rows, shape[-1])  # [M, K]
     if rows <= QMM_MAX_ROWS:
         y = _skinny(x2, w, scales, biases, group_size, bits)

@@ -112,12 +112,15 @@ def load_model(
             raise MlxInferError(f"{source.name}: {e}") from e
         raise
     quantized = any(supports(m) for _, m in net.named_modules())
-    kernels = quantized and weights != "float32" and backend_name() == "cpu" and cpu_kernels.available()
+    cpu_here = backend_name() == "cpu" and cpu_kernels.available()
+    kernels = quantized and weights != "float32" and cpu_here
     if weights == "auto":
         weights = "float32" if not kernels and prefer_float_weights(_float_bytes(net)) else "native"
     if weights == "float32":
         net = to_float32(net)
-    elif kernels and use_kernels(net):
+    if cpu_here:
+        use_kernels(net)  # the quantized layers (native weights), RMSNorm and RoPE
+    if kernels:
         source.kernels = qmm_backend()
     source.weights = weights
     return net, tokenizer, config, source

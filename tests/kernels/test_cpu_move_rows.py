@@ -80,11 +80,12 @@ def peak_of_move(fn, rows: int, width: int) -> int:
     return peak
 
 
-def test_the_kernel_moves_in_place_where_the_reference_copies(cpu_kernels):
+def test_the_kernel_moves_in_place(cpu_kernels):
+    # The reference (gather, then a scatter into the same array) copies the whole array when the gather
+    # still holds it as the scatter runs, which depends on MLX's evaluation order: not asserted here.
     rows, width = 1 << 15, 64  # 8 MiB
     nbytes = rows * width * 4
     assert peak_of_move(cpu_kernels.cpu_move_rows, rows, width) < nbytes // 8
-    assert peak_of_move(reference_move_rows, rows, width) >= nbytes  # why the kernel exists
 
 
 def test_a_pool_repack_on_the_kernel_copies_only_the_moved_tokens(cpu_kernels):

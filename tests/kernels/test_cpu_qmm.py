@@ -77,6 +77,17 @@ def test_strided_and_broadcast_x(cpu_kernels):
     assert mx.array_equal(yb[0], yb[2]).item()
 
 
+def test_leading_axes_are_rows(cpu_kernels):
+    """x [B, L, K], contiguous or a transposed view, gives [B, L, N]: each row exactly the 2-D product's."""
+    w, scales, biases = quantized(64, 128, 32, 4, mx.float32, seed=3)
+    x = mx.random.normal((2, 3, 128), key=mx.random.key(8))
+    flat = cpu_kernels.cpu_qmm(x.reshape(6, 128), w, scales, biases, 32, 4)
+    for view, rows in ((x, flat.reshape(2, 3, 64)), (x.transpose(1, 0, 2), flat.reshape(2, 3, 64).transpose(1, 0, 2))):
+        y = cpu_kernels.cpu_qmm(view, w, scales, biases, 32, 4)
+        assert y.shape == (*view.shape[:-1], 64)
+        assert mx.array_equal(y, rows).item()
+
+
 def test_sliced_weight_rows(cpu_kernels):
     """A lazy slice of the weight rows (what the wide path's tiles pass) is made contiguous first."""
     w, scales, biases = quantized(100, 128, 64, 8, mx.float32, seed=5)

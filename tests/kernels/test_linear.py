@@ -11,6 +11,7 @@ import mlx_infer
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kernels.linear import KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels
+from mlx_infer.kernels.rms_norm import KernelRMSNorm
 
 #: Greedy tokens compared per prompt on the default model.
 GREEDY_TOKENS = 16
@@ -43,8 +44,11 @@ def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
     ref_short, ref_long = model(ids[:, :3]), model(mx.concatenate([ids] * 2, axis=1))  # skinny, wide
     mx.eval(ref_short, ref_long)
 
-    assert use_kernels(model) == len(layers)
+    norms_and_ropes = [m for _, m in model.named_modules() if type(m) in (nn.RMSNorm, nn.RoPE)]
+    assert len(norms_and_ropes) == 2 * 3 + 1  # 2 norms and a RoPE per layer, the final norm
+    assert use_kernels(model) == len(layers) + len(norms_and_ropes)
     assert quantized_layers(model) == []
+    assert [type(m) for _, m in model.named_modules() if isinstance(m, (nn.RMSNorm, nn.RoPE))].count(KernelRMSNorm) == 5
     swapped = [m for _, m in model.named_modules() if isinstance(m, (KernelQuantizedLinear, KernelQuantizedEmbedding))]
     assert len(swapped) == len(layers) and {id(m["weight"]) for m in swapped} == weights  # no copies
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)

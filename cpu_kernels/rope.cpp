@@ -1,0 +1,176 @@
+#include "rope.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mlx_infer_kernels {
+namespace {
+
+// (batch, position) rows per chunk of the pool's parallel_for; fewer run on the calling thread.
+constexpr int64_t kRopeChunkRows = 16;
+
+bool is_float_type(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
+
+struct RopeArgs {
+  int64_t B, N, T, D;      // x viewed as [B, N, T, D]
+  const int64_t* rows;     // row (b, n, t) of x at x + rows[(b * N + n) * T + t]
+  int64_t sd;              // x's feature stride
+  int dims;
+  bool traditional;
+  float scale;
+  const int32_t* offset;   // [1] or [B]
+  int64_t n_offsets;
+  const float* inv_freq;   // [dims / 2]
+};
+
+// Rows (b, t) in [r0, r1) (r = b * T + t), every head n: cos / sin of the row's angles, then the rotation.
+template <class T>
+void rope_rows(const RopeArgs& a, const T* x, T* y, int64_t r0, int64_t r1) {
+  const int half = a.dims / 2;
+  std::vector<T> cs(half), sn(half), copy(a.sd == 1 ? 0 : size_t(a.D));
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t b = r / a.T, t = r % a.T;
+    const int32_t off = a.offset[a.n_offsets == 1 ? 0 : b];
+    const float pos = (float(t) + float(off)) * a.scale;  // MLX: (arange(T) + offset) * scale in float32
+    for (int i = 0; i < half; ++i) {
+      const float theta = pos * a.inv_freq[i];
+      cs[i] = static_cast<T>(std::cos(theta));
+      sn[i] = static_cast<T>(std::sin(theta));
+    }
+    for (int64_t n = 0; n < a.N; ++n) {
+      const int64_t row = (b * a.N + n) * a.T + t;
+      const T* in = x + a.rows[row];
+      if (a.sd != 1) {  // features not contiguous: through a contiguous copy of the row
+        for (int64_t j = 0; j < a.D; ++j) copy[size_t(j)] = in[j * a.sd];
+        in = copy.data();
+      }
+      T* out = y + row * a.D;
+      // each product and the difference rounded to T, as MLX's multiply / subtract / add ops
+      auto rot = [](T x1, T x2, T c, T s, T& o1, T& o2) {
+        const T a1 = static_cast<T>(static_cast<float>(x1) * static_cast<float>(c));
+        const T a2 = static_cast<T>(static_cast<float>(x2) * static_cast<float>(s));
+        const T b1 = static_cast<T>(static_cast<float>(x1) * static_cast<float>(s));
+        const T b2 = static_cast<T>(static_cast<float>(x2) * static_cast<float>(c));
+        o1 = static_cast<T>(static_cast<float>(a1) - static_cast<float>(a2));
+        o2 = static_cast<T>(static_cast<float>(b1) + static_cast<float>(b2));
+      };
+      if (a.traditional) {
+        for (int i = 0; i < half; ++i) rot(in[2 * i], in[2 * i + 1], cs[i], sn[i], out[2 * i], out[2 * i + 1]);
+      } else {
+        for (int i = 0; i < half; ++i) rot(in[i], in[i + half], cs[i], sn[i], out[i], out[i + half]);
+      }
+      for (int64_t j = a.dims; j < a.D; ++j) out[j] = in[j];
+    }
+  }
+}
+
+template <class T>
+void rope_all(const RopeArgs& a, const T* x, T* y) {
+  const int64_t rows = a.B * a.T;
+  ThreadPool& pool = ThreadPool::instance();
+  if (rows < 2 * kRopeChunkRows || pool.size() == 1) {
+    rope_rows(a, x, y, 0, rows);
+    return;
+  }
+  const int chunks = int((rows + kRopeChunkRows - 1) / kRopeChunkRows);
+  pool.parallel_for(chunks, [&](int c) {
+    const int64_t r0 = c * kRopeChunkRows;
+    rope_rows(a, x, y, r0, std::min(rows, r0 + kRopeChunkRows));
+  });
+}
+
+}  // namespace
+
+mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool traditional, float base, float scale,
+               const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
+  if (x.ndim() < 3 || !is_float_type(x.dtype())) {
+    throw std::invalid_argument("[rope] x must be float32, float16 or bfloat16 with ndim >= 3, got " + shape_str(x));
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("[rope] dims must be even, positive and at most " + std::to_string(x.shape(-1)) +
+                                ", got " + std::to_string(dims));
+  }
+  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != size_t(x.shape(0))) ||
+      !mx::issubdtype(offset.dtype(), mx::integer)) {
+    throw std::invalid_argument("[rope] offset must be an integer scalar or [" + std::to_string(x.shape(0)) +
+                                "], got " + shape_str(offset));
+  }
+  if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != dims / 2)) {
+    throw std::invalid_argument("[rope] freqs must be [" + std::to_string(dims / 2) + "], got " + shape_str(*freqs));
+  }
+  mx::Stream stream = cpu_stream(s);
+  const int half = dims / 2;
+  mx::array inv_freq = [&]() {
+    if (freqs) return mx::reciprocal(mx::astype(*freqs, mx::float32, stream), stream);
+    // base^(-i / half) = exp(-i * (log(base) / half)), in float32 as MLX's fallback
+    std::vector<float> f(half);
+    const float step = std::log(base) / float(half);
+    for (int i = 0; i < half; ++i) f[i] = std::exp(float(-i) * step);
+    return mx::array(f.begin(), mx::Shape{half}, mx::float32);
+  }();
+  return mx::array(x.shape(), x.dtype(), std::make_shared<Rope>(stream, dims, traditional, base, scale),
+                   {x, row_contiguous(offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, stream), stream),
+                    row_contiguous(inv_freq, stream)});
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& x = inputs[0];
+  const mx::array& offset = inputs[1];
+  const mx::array& inv_freq = inputs[2];
+  mx::array& out = outputs[0];
+  require_row_contiguous(offset, "offset");
+  require_row_contiguous(inv_freq, "inv_freq");
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_input_array(x);
+  encoder.set_input_array(offset);
+  encoder.set_input_array(inv_freq);
+  encoder.set_output_array(out);
+  RopeArgs a{};
+  a.B = x.shape(0);
+  a.T = x.shape(-2);
+  a.D = x.shape(-1);
+  a.N = a.B * a.T * a.D ? int64_t(x.size()) / (a.B * a.T * a.D) : 0;
+  a.sd = x.strides().back();
+  a.dims = dims_;
+  a.traditional = traditional_;
+  a.scale = scale_;
+  a.offset = offset.data<int32_t>();
+  a.n_offsets = int64_t(offset.size());
+  a.inv_freq = inv_freq.data<float>();
+  encoder.dispatch([a, x, out]() mutable {
+    const std::vector<int64_t> rows = row_offsets(x);
+    a.rows = rows.data();
+    switch (x.dtype()) {
+      case mx::float32:
+        rope_all<float>(a, x.data<float>(), out.data<float>());
+        break;
+      case mx::float16:
+        rope_all<mx::float16_t>(a, x.data<mx::float16_t>(), out.data<mx::float16_t>());
+        break;
+      default:
+        rope_all<mx::bfloat16_t>(a, x.data<mx::bfloat16_t>(), out.data<mx::bfloat16_t>());
+    }
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[rope] the mlx-infer CPU kernels have no GPU implementation");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+}
+
+std::vector<mx::Shape> Rope::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+}  // namespace mlx_infer_kernels

@@ -1,0 +1,133 @@
+"""RMSNorm and RoPE on the CPU kernel (cpu_kernels/rms_norm.cpp, rope.cpp; kernels/rms_norm.py, rope.py)
+against float64 NumPy oracles, next to MLX's own mx.fast ops (which MLX's CPU backend runs as 11 and 29
+separate operations): every dtype, strided inputs, partial rotation, per-request offsets, frequencies;
+one operation each in the graph; bad arguments rejected."""
+
+import io
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer.kernels.rms_norm import rms_norm
+from mlx_infer.kernels.rope import rope
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+#: Relative precision of each dtype (the spacing of numbers near 1).
+EPS = {mx.float32: 2.0 ** -23, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def ops_in_graph(out: mx.array) -> list:
+    """The operations between `out` and its evaluated inputs (names, from MLX's DOT export)."""
+    f = io.StringIO()
+    mx.export_to_dot(f, out)
+    return [label.split()[0] for label in re.findall(r'label ?="([^"]+)"', f.getvalue())]
+
+
+def rms_oracle(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", ["float32", "same"])
+def test_rms_norm_equals_the_oracle(cpu_kernels, dtype, weight_dtype):
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((3, 5, 576)) * 3).astype(dtype)
+    w = mx.array(rng.standard_normal(576) * 0.2 + 1).astype(mx.float32 if weight_dtype == "float32" else dtype)
+    got, ref = rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)
+    assert got.dtype == ref.dtype == (dtype if w.dtype == dtype else mx.float32)
+    want = rms_oracle(f64(x), f64(w), 1e-5)
+    # two roundings in the output dtype (the normalized row, then the weight's product), on top of a
+    # float32 mean
+    tol = 2.5 * EPS[got.dtype] * np.abs(want) + 1e-6
+    assert np.all(np.abs(f64(got) - want) <= tol)
+    assert np.all(np.abs(f64(ref) - want) <= 2 * tol)  # MLX's own op: within twice that
+
+
+def test_rms_norm_reads_strided_inputs(cpu_kernels):
+    rng = np.random.default_rng(1)
+    base = mx.array(rng.standard_normal((4, 6, 2 * 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal(64).astype(np.float32))
+    for x in (base[..., :64].transpose(1, 0, 2), base[..., ::2], base[1:3, ::-1, 64:]):
+        want = rms_oracle(f64(x), f64(w), 1e-6)
+        got = rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape
+        np.testing.assert_allclose(f64(got), want, rtol=1e-5, atol=1e-6)
+
+
+def rope_oracle(x: np.ndarray, dims: int, traditional: bool, inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """x [B, N, T, D] float64; positions [B, T]; inv_freq [dims / 2]."""
+    theta = positions[:, None, :, None] * inv_freq  # [B, 1, T, dims / 2]
+    c, s = np.cos(theta), np.sin(theta)
+    out = x.copy()
+    half = dims // 2
+    if traditional:
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+        out[..., 0:dims:2], out[..., 1:dims:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = x[..., :half], x[..., half:dims]
+        out[..., :half], out[..., half:dims] = x1 * c - x2 * s, x1 * s + x2 * c
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+@pytest.mark.parametrize("offset", [0, 37, 4000, "per-request"])
+def test_rope_as_accurate_as_mlx(cpu_kernels, dtype, traditional, dims, offset):
+    rng = np.random.default_rng(2)
+    B, N, T, D = 2, 3, 9, 64
+    x = mx.array(rng.standard_normal((B, T, N, D))).astype(dtype).transpose(0, 2, 1, 3)  # as attention makes it
+    offsets = np.array([5, 300]) if offset == "per-request" else np.array([offset, offset])
+    off = mx.array(offsets.astype(np.int32)) if offset == "per-request" else offset
+    scale, base = 0.5, 10000.0
+    got = rope(x, dims, traditional, base, scale, off)
+    ref = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=off)
+    assert got.dtype == dtype and got.shape == x.shape
+    half = dims // 2
+    positions = (np.arange(T)[None, :] + offsets[:, None]) * scale
+    want = rope_oracle(f64(x), dims, traditional, base ** (-np.arange(half) / half), positions)
+    err_got, err_ref = np.abs(f64(got) - want), np.abs(f64(ref) - want)
+    # both round the angle to float32 (an error growing with the position) and each product to the dtype
+    assert err_got.max() <= 1.25 * err_ref.max() + 4 * EPS[dtype]
+    np.testing.assert_array_equal(np.array(got[..., dims:].astype(mx.float32)), np.array(x[..., dims:].astype(mx.float32)))
+
+
+def test_rope_with_frequencies(cpu_kernels):
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.standard_normal((1, 4, 5, 64)).astype(np.float32))
+    freqs = mx.array(rng.uniform(1, 1000, 32).astype(np.float32))
+    got = rope(x, 64, False, None, 1.0, 11, freqs=freqs)
+    want = rope_oracle(f64(x), 64, False, 1 / f64(freqs), np.arange(11, 16, dtype=np.float64)[None, :])
+    np.testing.assert_allclose(f64(got), want, rtol=0, atol=2e-5)
+
+
+def test_each_is_one_operation(cpu_kernels):
+    x = mx.random.normal((1, 9, 1, 64))
+    w = mx.ones((64,))
+    mx.eval(x, w)
+    assert ops_in_graph(rms_norm(x, w, 1e-5)) == ["MlxInferRmsNorm"]
+    assert ops_in_graph(rope(x, 64, False, 10000.0, 1.0, 12)) == ["MlxInferRope"]
+    assert len(ops_in_graph(mx.fast.rms_norm(x, w, 1e-5))) > 5  # what MLX's CPU backend runs instead
+    assert len(ops_in_graph(mx.fast.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=12))) > 10
+
+
+def test_bad_arguments_are_rejected(cpu_kernels):
+    x = mx.zeros((1, 2, 3, 64))
+    with pytest.raises(ValueError, match="dims"):
+        rope(x, 63, False, 10000.0, 1.0, 0)
+    with pytest.raises(ValueError, match="dims"):
+        rope(x, 128, False, 10000.0, 1.0, 0)
+    with pytest.raises(ValueError, match="offset"):
+        rope(x, 64, False, 10000.0, 1.0, mx.array([1, 2, 3], dtype=mx.int32))
+    with pytest.raises(ValueError, match="ndim"):
+        rope(mx.zeros((3, 64)), 64, False, 10000.0, 1.0, 0)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, mx.ones((32,)), 1e-5)
+    with pytest.raises(ValueError, match="float"):
+        rms_norm(mx.zeros((2, 64), dtype=mx.int32), mx.ones((64,)), 1e-5)
