@@ -12,7 +12,8 @@ struct Avx2 {
   using V = __m256;
   static constexpr int L = 8;
   static constexpr int NB = 4;
-  static constexpr int MB = 2;  // 8 accumulators + 4 weight vectors + 1 x vector
+  static constexpr int MB = 2;  // rows dequantized in registers (fused_tile): 8 accumulators + 4 weights + 4 x
+  static constexpr int TB = 3;  // rows per register tile over the scratch: 12 accumulators + 3 x + 1 weight
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }

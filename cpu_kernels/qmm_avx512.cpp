@@ -12,6 +12,7 @@ struct Avx512 {
   static constexpr int L = 16;
   static constexpr int NB = 4;  // weight rows per block
   static constexpr int MB = 4;  // x rows per register tile (16 accumulators of 32 registers)
+  static constexpr int TB = 4;  // the same over the scratch
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }

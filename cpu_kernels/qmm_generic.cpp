@@ -65,6 +65,7 @@ struct Generic {
   static constexpr int L = 8;
   static constexpr int NB = 4;
   static constexpr int MB = 2;
+  static constexpr int TB = 2;
   struct V {
     float v[L];
   };
