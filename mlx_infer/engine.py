@@ -26,6 +26,7 @@ from .generation.assemble import StepAssembler
 from .generation.detokenize import make_detokenizer
 from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.sampling import SamplingParams
+from .kernels import cpu as cpu_kernels
 from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
 from .kv.observe import QueryTap
@@ -71,9 +72,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def measurement_key(source: ModelSource) -> str:
     """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
     priors): the model's content, not where it lies, its weights mode, the quantized-matmul kernel its layers
-    run on, the backend, BLAS and MLX version, and the RMM retention of a reduced model."""
+    run on and the build of the CPU kernels (any of which a model's layers may run), the backend, BLAS and
+    MLX version, and the RMM retention of a reduced model."""
+    build = cpu_kernels.build_id() if backend_name() == "cpu" else None
     key = (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
-           f"{blas_in_use()}|{mx.__version__}")
+           f"{blas_in_use()}|{mx.__version__}|{build}")
     return key if source.rmm is None else f"{key}|rmm:{source.rmm}"
 
 

@@ -49,9 +49,7 @@ def attention_backend() -> str:
         return "metal"
     if cuda_available():
         return "cuda"
-    if mx.default_device() == mx.cpu and cpu.available():
-        return f"cpu-{cpu.isa()}"
-    return "reference"
+    return cpu.cpu_backend()
 
 
 def _causal_mask(rows: int, positions: int, length: int, row0: int = 0) -> mx.array:

@@ -19,6 +19,7 @@ recorded and not retried until the sources, MLX or the tools change), `available
 once per process (`refresh()` reads it again).
 """
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -285,6 +286,7 @@ def refresh() -> None:
     once per process, as the kernels are called on every matmul."""
     global _current
     _current = None
+    build_id.cache_clear()
 
 
 def available() -> bool:
@@ -311,6 +313,22 @@ def isa() -> str:
         RuntimeError: the kernels are not available (see why_not()).
     """
     return _module().isa()
+
+
+@functools.lru_cache(maxsize=1)
+def build_id() -> Optional[str]:
+    """The fingerprint of the kernels in use (their sources, MLX, Python and nanobind: what a rebuild
+    follows), None when they are not available. A timing measured on one build does not hold for another
+    (engine.measurement_key)."""
+    return _fingerprint() if available() else None
+
+
+def cpu_backend() -> str:
+    """'cpu-<isa>' when MLX's default device is the CPU and the kernels are available (what the kernel
+    modules' `*_backend()` report for their CPU kernel), else 'reference'."""
+    if mx.default_device() == mx.cpu and available():
+        return f"cpu-{isa()}"
+    return "reference"
 
 
 def num_threads() -> int:

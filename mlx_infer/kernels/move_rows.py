@@ -22,9 +22,7 @@ __all__ = ["move_rows", "move_rows_backend", "reference_move_rows"]
 def move_rows_backend() -> str:
     """Which implementation `move_rows` runs here: 'cpu-<isa>' (the kernel, on MLX's CPU device) or
     'reference'."""
-    if mx.default_device() == mx.cpu and cpu.available():
-        return f"cpu-{cpu.isa()}"
-    return "reference"
+    return cpu.cpu_backend()
 
 
 def reference_move_rows(a: mx.array, src: mx.array, dst: mx.array) -> mx.array:

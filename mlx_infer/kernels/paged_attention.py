@@ -35,9 +35,7 @@ __all__ = ["PAGED_MAX_QUERIES", "packed_row_bits", "paged_attention", "paged_att
 def paged_attention_backend() -> str:
     """Which implementation `paged_attention` runs for decode and verify rows here: 'cpu-<isa>' (the CPU
     kernel, on MLX's CPU device) or 'reference'."""
-    if mx.default_device() == mx.cpu and cpu.available():
-        return f"cpu-{cpu.isa()}"
-    return "reference"
+    return cpu.cpu_backend()
 
 
 def paged_kernel_fits(queries: int, k_dim: int, v_dim: int) -> bool:

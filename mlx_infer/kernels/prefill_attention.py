@@ -30,9 +30,7 @@ __all__ = ["PREFILL_MIN_QUERIES", "PREFILL_TILE", "causal_softmax", "prefill_att
 def prefill_attention_backend() -> str:
     """Which implementation `prefill_attention` runs here: 'cpu-<isa>' (tiles around the CPU kernel's
     softmax, on MLX's CPU device) or 'reference' (mx.fast.scaled_dot_product_attention)."""
-    if mx.default_device() == mx.cpu and cpu.available():
-        return f"cpu-{cpu.isa()}"
-    return "reference"
+    return cpu.cpu_backend()
 
 
 def prefill_fits(queries: mx.array, keys, mask) -> bool:

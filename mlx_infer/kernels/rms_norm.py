@@ -21,9 +21,7 @@ __all__ = ["KernelRMSNorm", "rms_norm", "rms_norm_backend"]
 def rms_norm_backend() -> str:
     """Which implementation `rms_norm` runs here: 'cpu-<isa>' (the kernel, on MLX's CPU device) or
     'reference' (mx.fast.rms_norm)."""
-    if mx.default_device() == mx.cpu and cpu.available():
-        return f"cpu-{cpu.isa()}"
-    return "reference"
+    return cpu.cpu_backend()
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

@@ -23,9 +23,7 @@ __all__ = ["KernelRoPE", "rope", "rope_backend"]
 def rope_backend() -> str:
     """Which implementation `rope` runs here: 'cpu-<isa>' (the kernel, on MLX's CPU device) or
     'reference' (mx.fast.rope)."""
-    if mx.default_device() == mx.cpu and cpu.available():
-        return f"cpu-{cpu.isa()}"
-    return "reference"
+    return cpu.cpu_backend()
 
 
 def rope(x: mx.array, dims: int, traditional: bool, base: Optional[float], scale: float,
