@@ -54,6 +54,15 @@ def warn_not_cached(folder: Path, error: OSError, consequence: str = "results ar
     warnings.warn(f"cannot write the cache folder {folder} ({reason}); {consequence}", stacklevel=3)
 
 
+def _writable(folder: Path) -> bool:
+    """Whether `folder` exists, or can be made, and can be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a unique temporary file in the same folder and `os.replace`.
 
@@ -98,7 +107,8 @@ def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optio
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or from an older version: compute again
     if say:
-        say(f"{message} (once; cached in {path.parent})")
+        say(f"{message} (once; cached in {path.parent})" if _writable(path.parent)
+            else f"{message} (not cached: {path.parent} cannot be written)")
     data = compute()
     try:
         write_atomic(path, json.dumps(data))

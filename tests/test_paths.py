@@ -84,11 +84,13 @@ def test_cache_dir_does_not_fail_where_it_cannot_be_created(unwritable_cache):
 
 def test_unwritable_cache_warns_once_and_returns_the_result(unwritable_cache):
     compute = Counter({"skip": [3, 5]})
+    said = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert paths.cached_json("layerskip", "m", compute) == {"skip": [3, 5]}
+        assert paths.cached_json("layerskip", "m", compute, say=said.append, message="measuring") == {"skip": [3, 5]}
         assert paths.cached_json("layerskip", "m", compute) == {"skip": [3, 5]}
     assert compute.calls == 2  # not cached, computed each time
+    assert said == [f"measuring (not cached: {unwritable_cache / 'layerskip'} cannot be written)"]
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
     assert "\n" not in messages[0]

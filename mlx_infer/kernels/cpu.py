@@ -19,6 +19,7 @@ recorded and not retried until the sources, MLX or the tools change), `available
 once per process (`refresh()` reads it again).
 """
 
+import atexit
 import functools
 import hashlib
 import importlib.metadata
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -40,7 +42,7 @@ import filelock
 import mlx.core as mx
 
 from mlx_infer.errors import MlxInferError
-from mlx_infer.paths import cache_dir
+from mlx_infer.paths import cache_dir, warn_not_cached
 
 #: Environment variable that turns the kernels off when set to "off" (or "0").
 KERNELS_ENV = "MLX_INFER_KERNELS"
@@ -66,6 +68,8 @@ class _State:
     reason: Optional[str] = None
 
 
+#: Temporary build folders of this process, per cache folder that could not be written.
+_scratch_dirs: Dict[Path, Path] = {}
 #: The extension found per build directory (a process normally uses one).
 _states: Dict[Path, _State] = {}
 #: The state in force, read from the environment on first use (None: not read yet; see refresh()).
@@ -83,9 +87,28 @@ def source_dir() -> Optional[Path]:
 
 
 def build_dir() -> Path:
-    """Where the extension is built and cached: cache_dir()/kernels/<mlx version>-<python tag>-<arch>."""
+    """Where the extension is built and cached: cache_dir()/kernels/<mlx version>-<python tag>-<arch>; when
+    that folder cannot be written and holds no build of these sources, a temporary folder of this process
+    (removed at exit; the kernels are built again on every run), with one warning."""
     tag = f"{mx.__version__}-{sys.implementation.cache_tag}-{platform.machine()}"
-    return cache_dir() / "kernels" / tag
+    wanted = cache_dir() / "kernels" / tag
+    if wanted in _scratch_dirs:
+        return _scratch_dirs[wanted]
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+        if os.access(wanted, os.W_OK):
+            return wanted
+        error = PermissionError(13, "read-only")
+    except OSError as exc:
+        error = exc
+    built = _read_json(wanted / "build.json").get("fingerprint") == _fingerprint()
+    if built and (wanted / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}").is_file():
+        return wanted  # a build of these sources is there: loading it writes nothing
+    warn_not_cached(wanted, error, "building the CPU kernels in a temporary folder (again on every run)")
+    scratch = Path(tempfile.mkdtemp(prefix="mlx-infer-kernels-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    _scratch_dirs[wanted] = scratch
+    return scratch
 
 
 def module_path() -> Path:

@@ -110,3 +110,16 @@ def test_self_test_refuses_a_module_that_computes_wrong(cpu_kernels):
     wrong = types.SimpleNamespace(qmm=lambda x, w, s, b, gs, bits, stream=None: mx.zeros((x.shape[0], w.shape[0])))
     with pytest.raises(RuntimeError, match="wrong"):
         cpu.self_test(wrong)
+
+
+def test_an_unwritable_cache_builds_in_a_temporary_folder(fresh_cpu, tmp_path):
+    """A cache folder that cannot be written (here: under a plain file) warns once and builds the kernels in
+    a temporary folder of the process instead of turning them off."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    fresh_cpu.setenv("MLX_INFER_CACHE", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="building the CPU kernels in a temporary folder"):
+        first = cpu.build_dir()
+    assert first.is_dir() and not str(first).startswith(str(blocker))
+    assert cpu.build_dir() == first  # the same folder for the rest of the process, no second warning
+    assert cpu.module_path().parent == first
