@@ -235,8 +235,10 @@ def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
         if not force and failed.get("fingerprint") == fingerprint:
             raise MlxInferError(failed.get("reason", "the CPU kernels failed to build"))
         if not quiet:
-            print(f"mlx-infer: building the CPU kernels for MLX {mx.__version__} (once, about 20 s; "
-                  f"cached in {out})", file=sys.stderr, flush=True)
+            where = (f"once, about 20 s; cached in {out}" if out not in _scratch_dirs.values()
+                     else f"about 20 s, in {out}: the cache cannot be written")
+            print(f"mlx-infer: building the CPU kernels for MLX {mx.__version__} ({where})", file=sys.stderr,
+                  flush=True)
         log_path = out / "build.log"
         work = out / "build"
         # A fresh build tree: one configured from another checkout or venv (the cache is per MLX and
