@@ -759,7 +759,7 @@ def main():
     sp.add_argument("--rounds", type=int, default=5)
     sp.add_argument("--decode-tokens", type=int, default=32)
     sp.add_argument("--speed-settings", default=DEFAULT_SPEED, help="exact, presets, --rmm texts")
-    sp.add_argument("--prefill-settings", default="exact,draft", help="settings whose prefill is timed")
+    sp.add_argument("--prefill-settings", default="exact,attn-light", help="settings whose prefill is timed")
     sp.add_argument("--long", action="store_true", help="add context 8192 to --contexts")
     sp.add_argument("--kernel-iters", type=int, default=300, help="step part: calls per kernel variant")
     sp.add_argument("--step-iters", type=int, default=60, help="step part: decode steps per setting")
