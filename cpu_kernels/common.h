@@ -23,6 +23,8 @@ const QmmKernel& kernel();
 float* thread_scratch(size_t n);
 // The kernel dtype of float32 / float16 / bfloat16; throws std::invalid_argument naming `what` otherwise.
 Dtype to_kernel_dtype(mx::Dtype t, const char* what);
+// Whether t is float32, float16 or bfloat16 (the float dtypes the kernels take).
+bool is_float_type(mx::Dtype t);
 // "[d0, d1, ...]".
 std::string shape_str(const mx::array& a);
 

@@ -81,6 +81,8 @@ mx::Stream cpu_stream(mx::StreamOrDevice s) {
   return stream;
 }
 
+bool is_float_type(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
+
 std::vector<int64_t> row_offsets(const mx::array& a) {
   const int nd = int(a.ndim()) - 1;
   int64_t rows = 1;

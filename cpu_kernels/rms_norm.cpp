@@ -15,8 +15,6 @@ namespace {
 // Rows per chunk of the pool's parallel_for; fewer rows than this run on the calling thread.
 constexpr int64_t kNormChunkRows = 64;
 
-bool is_float_type(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
-
 // One row: x [D] (contiguous) into y [D].
 template <class TX, class TO>
 void norm_row(const TX* x, const TO* w, TO* y, int64_t D, float eps) {
@@ -41,39 +39,26 @@ void norm_row(const TX* x, const TO* w, TO* y, int64_t D, float eps) {
   }
 }
 
-// Rows [r0, r1) of x (row r at x + offsets[r], feature j at + j * sd) into y [rows, D].
-template <class TX, class TO>
-void norm_rows(const TX* x, const int64_t* offsets, int64_t sd, const TO* w, TO* y, int64_t D, float eps,
-               int64_t r0, int64_t r1) {
-  std::vector<TX> copy(sd == 1 ? 0 : size_t(D));
-  for (int64_t r = r0; r < r1; ++r) {
-    const TX* row = x + offsets[r];
-    if (sd != 1) {  // features not contiguous: through a contiguous copy of the row
-      for (int64_t j = 0; j < D; ++j) copy[size_t(j)] = row[j * sd];
-      row = copy.data();
-    }
-    norm_row(row, w, y + r * D, D, eps);
-  }
-}
-
 template <class TX, class TO>
 void norm_all(const mx::array& x, const mx::array& w, mx::array& y, float eps) {
   const int64_t D = x.shape(-1);
-  const std::vector<int64_t> offsets = row_offsets(x);
-  const int64_t rows = int64_t(offsets.size());
-  const int64_t sd = x.strides().back();
-  const TX* xp = x.data<TX>();
+  const int64_t rows = D ? int64_t(x.size()) / D : 0;
+  std::vector<char> copy;  // x row-major, when it is not already
+  const TX* xp = static_cast<const TX*>(contiguous_data(x, copy));
   const TO* wp = w.data<TO>();
   TO* yp = y.data<TO>();
+  auto norm_rows = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, yp + r * D, D, eps);
+  };
   ThreadPool& pool = ThreadPool::instance();
   if (rows < 2 * kNormChunkRows || pool.size() == 1) {
-    norm_rows(xp, offsets.data(), sd, wp, yp, D, eps, 0, rows);
+    norm_rows(0, rows);
     return;
   }
   const int chunks = int((rows + kNormChunkRows - 1) / kNormChunkRows);
   pool.parallel_for(chunks, [&](int c) {
     const int64_t r0 = c * kNormChunkRows;
-    norm_rows(xp, offsets.data(), sd, wp, yp, D, eps, r0, std::min(rows, r0 + kNormChunkRows));
+    norm_rows(r0, std::min(rows, r0 + kNormChunkRows));
   });
 }
 

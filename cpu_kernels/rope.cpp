@@ -15,8 +15,6 @@ namespace {
 // (batch, position) rows per chunk of the pool's parallel_for; fewer run on the calling thread.
 constexpr int64_t kRopeChunkRows = 16;
 
-bool is_float_type(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
-
 struct RopeArgs {
   int64_t B, N, T, D;      // x viewed as [B, N, T, D]
   const int64_t* rows;     // row (b, n, t) of x at x + rows[(b * N + n) * T + t]
@@ -114,7 +112,7 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool tradi
     for (int i = 0; i < half; ++i) f[i] = std::exp(float(-i) * step);
     return mx::array(f.begin(), mx::Shape{half}, mx::float32);
   }();
-  return mx::array(x.shape(), x.dtype(), std::make_shared<Rope>(stream, dims, traditional, base, scale),
+  return mx::array(x.shape(), x.dtype(), std::make_shared<Rope>(stream, dims, traditional, scale),
                    {x, row_contiguous(offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, stream), stream),
                     row_contiguous(inv_freq, stream)});
 }
@@ -166,7 +164,7 @@ void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 bool Rope::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Rope&>(other);
-  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
 }
 
 std::vector<mx::Shape> Rope::output_shapes(const std::vector<mx::array>& inputs) {

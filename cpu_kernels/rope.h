@@ -25,8 +25,9 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool tradi
 
 class Rope : public mx::Primitive {
  public:
-  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)
-      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  // (the base enters as the inv_freq input, not as a parameter)
+  Rope(mx::Stream stream, int dims, bool traditional, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxInferRope"; }
@@ -36,7 +37,6 @@ class Rope : public mx::Primitive {
  private:
   int dims_;
   bool traditional_;
-  float base_;
   float scale_;
 };
 

@@ -54,13 +54,13 @@ def warn_not_cached(folder: Path, error: OSError, consequence: str = "results ar
     warnings.warn(f"cannot write the cache folder {folder} ({reason}); {consequence}", stacklevel=3)
 
 
-def _writable(folder: Path) -> bool:
-    """Whether `folder` exists, or can be made, and can be written."""
+def write_error(folder: Path) -> Optional[OSError]:
+    """Why `folder` cannot be written (made first when missing), or None when it can."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK)
+    except OSError as e:
+        return e
+    return None if os.access(folder, os.W_OK) else PermissionError(13, "read-only")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -107,7 +107,7 @@ def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optio
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or from an older version: compute again
     if say:
-        say(f"{message} (once; cached in {path.parent})" if _writable(path.parent)
+        say(f"{message} (once; cached in {path.parent})" if write_error(path.parent) is None
             else f"{message} (not cached: {path.parent} cannot be written)")
     data = compute()
     try:

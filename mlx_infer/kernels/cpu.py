@@ -42,7 +42,7 @@ import filelock
 import mlx.core as mx
 
 from mlx_infer.errors import MlxInferError
-from mlx_infer.paths import cache_dir, warn_not_cached
+from mlx_infer.paths import cache_dir, warn_not_cached, write_error
 
 #: Environment variable that turns the kernels off when set to "off" (or "0").
 KERNELS_ENV = "MLX_INFER_KERNELS"
@@ -94,16 +94,9 @@ def build_dir() -> Path:
     wanted = cache_dir() / "kernels" / tag
     if wanted in _scratch_dirs:
         return _scratch_dirs[wanted]
-    try:
-        wanted.mkdir(parents=True, exist_ok=True)
-        if os.access(wanted, os.W_OK):
-            return wanted
-        error = PermissionError(13, "read-only")
-    except OSError as exc:
-        error = exc
-    built = _read_json(wanted / "build.json").get("fingerprint") == _fingerprint()
-    if built and (wanted / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}").is_file():
-        return wanted  # a build of these sources is there: loading it writes nothing
+    error = write_error(wanted)
+    if error is None or _has_build(wanted, _fingerprint()):
+        return wanted  # (a build of these sources in a read-only folder: loading it writes nothing)
     warn_not_cached(wanted, error, "building the CPU kernels in a temporary folder (again on every run)")
     scratch = Path(tempfile.mkdtemp(prefix="mlx-infer-kernels-"))
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
@@ -113,7 +106,16 @@ def build_dir() -> Path:
 
 def module_path() -> Path:
     """The built extension's file inside build_dir()."""
-    return build_dir() / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    return build_dir() / _module_file()
+
+
+def _module_file() -> str:
+    return f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def _has_build(folder: Path, fingerprint: str) -> bool:
+    """Whether `folder` holds a built extension of the sources with this fingerprint."""
+    return _read_json(folder / "build.json").get("fingerprint") == fingerprint and (folder / _module_file()).is_file()
 
 
 def _turned_off() -> bool:
@@ -221,15 +223,14 @@ def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
     """
     out = build_dir()
     fingerprint = _fingerprint()
-    if not force and _read_json(out / "build.json").get("fingerprint") == fingerprint and module_path().is_file():
+    if not force and _has_build(out, fingerprint):
         return module_path()  # built before: loading it needs none of the build tools
     missing = missing_tools()
     if missing:
         raise MlxInferError(f"cannot build the CPU kernels: {missing}")
     out.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(out / "build.lock"), timeout=BUILD_TIMEOUT_S):
-        info = _read_json(out / "build.json")
-        if not force and info.get("fingerprint") == fingerprint and module_path().is_file():
+        if not force and _has_build(out, fingerprint):
             return module_path()  # another process built it while we waited
         failed = _read_json(out / "failed.json")
         if not force and failed.get("fingerprint") == fingerprint:
