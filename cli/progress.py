@@ -10,9 +10,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 import mlx_infer
 from mlx_infer.defaults import PREFILL_PROGRESS_TOKENS
 from mlx_infer.errors import MlxInferError
+from mlx_infer.paths import cache_dir, write_error
 
 from .errors import as_flag
 
+#: What the first line of a GGUF conversion adds when the conversion cache can be written.
+CACHED_NOTE = "first run only; the result is cached"
 #: All human-facing chatter goes to stderr; stdout carries only the answer (or JSON).
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -28,7 +31,7 @@ class ProgressBar:
     """
 
     def __init__(self, label: str = "converting", console: Console = stderr, always: bool = False,
-                 activity: Optional[str] = None, note: str = "first run only; the result is cached"):
+                 activity: Optional[str] = None, note: str = CACHED_NOTE):
         self.label = label
         self.note = note
         self.console = console
@@ -93,7 +96,9 @@ class ProgressBar:
 def load_engine(model: Optional[str], weights: str, verbose: bool = False, rmm: Optional[str] = None):
     """`mlx_infer.load` with a progress bar (rmm: its RMM retention); says what was loaded on stderr when
     verbose."""
-    with ProgressBar("converting", always=verbose, activity=f"loading {model or 'the default model'}") as bar:
+    note = CACHED_NOTE if write_error(cache_dir() / "gguf") is None else "the cache cannot be written: not cached"
+    with ProgressBar("converting", always=verbose, activity=f"loading {model or 'the default model'}",
+                     note=note) as bar:
         try:
             engine = mlx_infer.load(model, weights=weights, progress=bar, rmm=rmm)
         except MlxInferError as e:  # a layer range past this model's layers

@@ -34,6 +34,8 @@ def test_generate_with_an_unwritable_cache(run_cli, tiny, blocked):
     assert warnings and all("cannot write the cache folder" in w for w in warnings), proc.stderr
     assert any("/gguf " in w and "temporary directory" in w for w in warnings), proc.stderr
     assert len(warnings) == len(set(warnings))  # each folder once
+    # the conversion's log line does not claim a cached result
+    assert "(the cache cannot be written: not cached)" in proc.stderr and "result is cached" not in proc.stderr
 
 
 def test_convert_into_an_unwritable_path_fails_first(run_cli, tiny, blocked):
