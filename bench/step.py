@@ -85,8 +85,8 @@ def measure(calls: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2", help="kernel thread counts to compare, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3, help="processes per thread count, alternating")
+    ap.add_argument("--calls", type=int, default=40, help="timed evaluations per part (the median is kept)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

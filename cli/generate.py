@@ -19,17 +19,20 @@ from .stats import print_stats
 
 def read_prompt(prompt: str) -> str:
     """The prompt argument, or all of stdin when it is '-'. Raises MlxInferError when empty."""
-    if prompt == "-":
+    from_stdin = prompt == "-"
+    if from_stdin:
         prompt = sys.stdin.read()
         if prompt.endswith("\n"):
             prompt = prompt[:-1]
     if not prompt.strip():
-        raise fail("the prompt is empty; give some text (or '-' to read it from stdin)")
+        raise fail("the prompt is empty: stdin held no text; pipe some in" if from_stdin
+                   else "the prompt is empty; give some text (or '-' to read it from stdin)")
     return prompt
 
 
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.", show_default=False)],
+    prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="The prompt; '-' reads it from stdin.",
+                                          show_default=False)],
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = 256,
     temperature: TemperatureOpt = 0.0,

@@ -60,7 +60,7 @@ def test_bad_flags_fail_before_loading(run_cli, args, message):
 
 
 def test_empty_prompt_from_stdin(run_cli):
-    assert_user_error(run_cli("generate", "-", input="\n"), "prompt is empty")
+    assert_user_error(run_cli("generate", "-", input="\n"), "prompt is empty: stdin held no text")
 
 
 def test_verbose_shows_the_traceback(run_cli, tmp_path):
