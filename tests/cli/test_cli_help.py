@@ -78,7 +78,7 @@ def test_bench_help_names_the_spec_modes(run_cli):
 def test_usage_errors_are_one_line_and_exit_2(run_cli):
     """Usage errors (click's own checks) read like every other bad input: one `error:` line, exit 2."""
     cases = [(("generate", "hi", "--weights", "bogus"), "--weights"), (("no-such-command",), "no-such-command"),
-             (("generate",), "prompt"), (("generate", "hi", "--temperature", "warm"), "--temperature"),
+             (("generate",), "PROMPT"), (("generate", "hi", "--temperature", "warm"), "--temperature"),
              (("generate", "hi", "--max-tokens", "abc"), "--max-tokens"), (("generate", "hi", "--bogus"), "--bogus")]
     for args, mentioned in cases:
         proc = run_cli(*args)
