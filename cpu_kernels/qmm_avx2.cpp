@@ -12,8 +12,11 @@ struct Avx2 {
   using V = __m256;
   static constexpr int L = 8;
   static constexpr int NB = 4;
-  static constexpr int MB = 2;  // rows dequantized in registers (fused_tile): 8 accumulators + 4 weights + 4 x
+  static constexpr int MB = 2;  // rows dequantized in registers (fused): 8 accumulators + 8 weights + 1 x
   static constexpr int TB = 3;  // rows per register tile over the scratch: 12 accumulators + 3 x + 1 weight
+  static constexpr int MW = 0;  // no fused_wide (not measured where this variant runs)
+  static constexpr int MW1 = 0;
+  static constexpr int NW = 1;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -67,6 +70,8 @@ struct Avx2 {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
   }
+  static V bcast_f16(const uint16_t* p) { return set1(h2f(*p)); }
+  static V bcast_bf16(const uint16_t* p) { return set1(bf16_to_float(*p)); }
   static float h2f(uint16_t h) { return _cvtsh_ss(h); }
   static uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 };

@@ -66,6 +66,9 @@ struct Generic {
   static constexpr int NB = 4;
   static constexpr int MB = 2;
   static constexpr int TB = 2;
+  static constexpr int MW = 0;  // no fused_wide (not measured where this variant runs)
+  static constexpr int MW1 = 0;
+  static constexpr int NW = 1;
   struct V {
     float v[L];
   };
@@ -123,6 +126,8 @@ struct Generic {
   static void codes8(const uint8_t* p, V* out) {
     for (int i = 0; i < L; ++i) out[0].v[i] = float(p[i]);
   }
+  static V bcast_f16(const uint16_t* p) { return set1(h2f(*p)); }
+  static V bcast_bf16(const uint16_t* p) { return set1(bf16_to_float(*p)); }
   static float h2f(uint16_t h) { return half_to_float(h); }
   static uint16_t f2h(float f) { return float_to_half(f); }
 };
