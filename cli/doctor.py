@@ -24,6 +24,7 @@ from mlx_infer.kernels.qmm import qmm_backend
 from mlx_infer.kernels.rmm import rmm_backend
 from mlx_infer.kernels.rms_norm import rms_norm_backend
 from mlx_infer.kernels.rope import rope_backend
+from mlx_infer.kernels.swiglu import swiglu_backend
 from mlx_infer.loading import default
 from mlx_infer.paths import cache_dir
 
@@ -130,7 +131,7 @@ def collect() -> dict:
         "attention_kernel": attention_backend(),
         "rmm_kernel": rmm_backend(),
         "paged_kv_kernels": {"attention": paged_attention_backend(), "repack": move_rows_backend()},
-        "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend()},
+        "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend()},
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "cache_dir": str(cache),
@@ -167,8 +168,9 @@ def render(info: dict) -> Table:
         table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}; quantized-KV attention: "
                                  f"{info['attention_kernel']}; reduced matmul (--rmm): {info['rmm_kernel']}; paged KV "
                                  f"attention / repacking: {info['paged_kv_kernels']['attention']} / "
-                                 f"{info['paged_kv_kernels']['repack']}; RMSNorm / RoPE: "
-                                 f"{info['layer_kernels']['rms_norm']} / {info['layer_kernels']['rope']}")
+                                 f"{info['paged_kv_kernels']['repack']}; RMSNorm / RoPE / SwiGLU: "
+                                 f"{info['layer_kernels']['rms_norm']} / {info['layer_kernels']['rope']} / "
+                                 f"{info['layer_kernels']['swiglu']}")
     if info["backend"] == "cpu":
         if info["kernel_threads"]:
             fast = "quantized weights on the CPU kernels (--weights auto)"

@@ -12,6 +12,7 @@
 #include "rmm.h"
 #include "rope.h"
 #include "softmax.h"
+#include "swiglu.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -51,6 +52,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("rope", &mlx_infer_kernels::rope, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "freqs"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rope of x [B, ..., T, D] at positions (t + offset) * scale (see rope.h).");
+  m.def("swiglu", &mlx_infer_kernels::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "y = gate * sigmoid(gate) * up, float32 (SwiGLU's gate, see swiglu.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

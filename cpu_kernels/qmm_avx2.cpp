@@ -21,6 +21,9 @@ struct Avx2 {
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V set1(float f) { return _mm256_set1_ps(f); }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -80,7 +83,7 @@ struct Avx2 {
 
 const QmmKernel& kernel_avx2() {
   static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>, &attend<Avx2>,
-                           &paged_attend<Avx2>, &softmax_rows<Avx2>};
+                           &paged_attend<Avx2>, &softmax_rows<Avx2>, &swiglu_values<Avx2>};
   return k;
 }
 

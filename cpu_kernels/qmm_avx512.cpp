@@ -24,6 +24,9 @@ struct Avx512 {
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V set1(float f) { return _mm512_set1_ps(f); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
@@ -73,7 +76,7 @@ struct Avx512 {
 
 const QmmKernel& kernel_avx512() {
   static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>, &attend<Avx512>,
-                           &paged_attend<Avx512>, &softmax_rows<Avx512>};
+                           &paged_attend<Avx512>, &softmax_rows<Avx512>, &swiglu_values<Avx512>};
   return k;
 }
 

@@ -485,5 +485,27 @@ void dequant(const QmmArgs& a, int n0, int n1, float* out) {
   }
 }
 
+// y[i] = g[i] * sigmoid(g[i]) * u[i] for i < n, sigmoid(g) = 1 / (1 + e^-g) (SwiGLU's gate).
+template <class S>
+void swiglu_values(const float* g, const float* u, float* y, int64_t n) {
+  using V = typename S::V;
+  constexpr int L = S::L;
+  const V one = S::set1(1.0f);
+  const V minus_one = S::set1(-1.0f);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const V gv = S::load(g + i);
+    const V sig = S::div(one, S::add(one, S::exp(S::mul(gv, minus_one))));
+    S::store(y + i, S::mul(S::mul(gv, sig), S::load(u + i)));
+  }
+  if (i < n) {  // the tail, through a zero-padded vector
+    float gt[L] = {}, ut[L] = {}, yt[L];
+    std::memcpy(gt, g + i, sizeof(float) * size_t(n - i));
+    std::memcpy(ut, u + i, sizeof(float) * size_t(n - i));
+    swiglu_values<S>(gt, ut, yt, L);
+    std::memcpy(y + i, yt, sizeof(float) * size_t(n - i));
+  }
+}
+
 }  // namespace
 }  // namespace mlx_infer_kernels

@@ -85,6 +85,18 @@ struct Generic {
     for (int i = 0; i < L; ++i) c.v[i] += a.v[i] * b.v[i];
     return c;
   }
+  static V add(V a, V b) {
+    for (int i = 0; i < L; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static V mul(V a, V b) {
+    for (int i = 0; i < L; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static V div(V a, V b) {
+    for (int i = 0; i < L; ++i) a.v[i] /= b.v[i];
+    return a;
+  }
   static V set1(float f) {
     V r;
     for (int i = 0; i < L; ++i) r.v[i] = f;
@@ -137,10 +149,10 @@ struct Generic {
 const QmmKernel& kernel_generic() {
 #if defined(__aarch64__)
   static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
-                           &paged_attend<Generic>, &softmax_rows<Generic>};
+                           &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>};
 #else
   static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
-                           &paged_attend<Generic>, &softmax_rows<Generic>};
+                           &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>};
 #endif
   return k;
 }

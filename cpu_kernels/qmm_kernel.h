@@ -129,6 +129,8 @@ struct QmmKernel {
   void (*paged_attend)(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial out, float* scratch);
   // The causal softmax of rows [r0, r1) (see SoftmaxArgs).
   void (*softmax_rows)(const SoftmaxArgs& a, int64_t r0, int64_t r1);
+  // y[i] = g[i] * sigmoid(g[i]) * u[i] for i < n (float32).
+  void (*swiglu)(const float* g, const float* u, float* y, int64_t n);
 };
 
 const QmmKernel& kernel_avx512();

@@ -14,6 +14,8 @@ by the default device and what is available.
   kernel, a gather + scatter (a whole copy) elsewhere.
 - `rms_norm`, `rope`: RMSNorm and RoPE as one operation each on the CPU kernel (`KernelRMSNorm`,
   `KernelRoPE`, swapped in by `linear.use_kernels`); MLX's CPU backend runs mx.fast's as 11 and 29.
+- `swiglu`: SwiGLU's gate, silu(gate) * up, as one operation on the CPU kernel (`KernelSwiGLUMLP`, swapped
+  in by `linear.use_kernels` for mlx-lm's llama / qwen2 / qwen3 MLPs).
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
   CPU kernel, the GPU body of `gpu_rmm` or the pure-mx reference.
 """

@@ -1,6 +1,6 @@
 """Quantized layers whose matmul goes through the kernel layer's `qmm`, and `use_kernels(model)`, which
-swaps them (and nn.RMSNorm / nn.RoPE for their kernel twins, kernels/rms_norm.py and kernels/rope.py)
-into a loaded mlx-lm model in place.
+swaps them (and nn.RMSNorm / nn.RoPE / mlx-lm's SwiGLU MLPs for their kernel twins, kernels/rms_norm.py,
+kernels/rope.py and kernels/swiglu.py) into a loaded mlx-lm model in place.
 
 The swapped layers are subclasses of mlx.nn's QuantizedLinear / QuantizedEmbedding holding the very same
 arrays (no copy, same parameter names), so saving, `isinstance` checks and the embedding lookup are
@@ -14,6 +14,7 @@ from mlx.utils import tree_map_with_path
 from .qmm import qmm
 from .rms_norm import KernelRMSNorm
 from .rope import KernelRoPE
+from .swiglu import SWIGLU_MLPS, KernelSwiGLUMLP
 
 #: What the kernels take: MLX's affine mode at these bit widths and group sizes.
 KERNEL_BITS = (4, 8)
@@ -86,14 +87,20 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
 
 
 def use_kernels(model: nn.Module) -> int:
-    """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support, and every
-    nn.RMSNorm and nn.RoPE, for its kernel twin, in place (same arrays; layers already swapped, unsupported
-    or of other classes, such as a model's own norm class, are left as they are).
+    """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support, every
+    nn.RMSNorm and nn.RoPE, and every SwiGLU MLP of mlx-lm's llama / qwen2 / qwen3, for its kernel twin, in
+    place (same arrays; layers already swapped, unsupported or of other classes, such as a model's own norm
+    class, are left as they are).
 
     Returns:
         How many modules were swapped.
     """
     swapped = 0
+    for _, parent in model.named_modules():
+        for key, child in parent.children().items():
+            if type(child) in SWIGLU_MLPS:
+                setattr(parent, key, KernelSwiGLUMLP(child))
+                swapped += 1
 
     def swap(path: str, module: nn.Module) -> nn.Module:
         nonlocal swapped

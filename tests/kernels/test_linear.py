@@ -46,7 +46,7 @@ def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
 
     norms_and_ropes = [m for _, m in model.named_modules() if type(m) in (nn.RMSNorm, nn.RoPE)]
     assert len(norms_and_ropes) == 2 * 3 + 1  # 2 norms and a RoPE per layer, the final norm
-    assert use_kernels(model) == len(layers) + len(norms_and_ropes)
+    assert use_kernels(model) == len(layers) + len(norms_and_ropes) + 2  # and an MLP per layer
     assert quantized_layers(model) == []
     assert [type(m) for _, m in model.named_modules() if isinstance(m, (nn.RMSNorm, nn.RoPE))].count(KernelRMSNorm) == 5
     swapped = [m for _, m in model.named_modules() if isinstance(m, (KernelQuantizedLinear, KernelQuantizedEmbedding))]
