@@ -207,32 +207,21 @@ inline void fused(const QmmArgs& a, int n) {
   }
 }
 
-// fused<..., NB, M> for the row count M of this product when LO <= M <= HI.
-template <class S, int BITS, Dtype DT, int NB, int LO, int HI>
+// fused<..., NB, M> for the row count M (<= S::MB) of this product.
+template <class S, int BITS, Dtype DT, int NB>
 inline void fused_rows(const QmmArgs& a, int n) {
   switch (a.M) {
-#define MLX_INFER_ROWS(R) \
-    case R:               \
-      if constexpr (LO <= R && R <= HI) fused<S, BITS, DT, NB, R>(a, n); \
+    case 1:
+      fused<S, BITS, DT, NB, 1>(a, n);
       break;
-    MLX_INFER_ROWS(1)
-    MLX_INFER_ROWS(2)
-    MLX_INFER_ROWS(3)
-    MLX_INFER_ROWS(4)
-    MLX_INFER_ROWS(5)
-    MLX_INFER_ROWS(6)
-    MLX_INFER_ROWS(7)
-    MLX_INFER_ROWS(8)
-    MLX_INFER_ROWS(9)
-    MLX_INFER_ROWS(10)
-    MLX_INFER_ROWS(11)
-    MLX_INFER_ROWS(12)
-    MLX_INFER_ROWS(13)
-    MLX_INFER_ROWS(14)
-    MLX_INFER_ROWS(15)
-    MLX_INFER_ROWS(16)
-#undef MLX_INFER_ROWS
+    case 2:
+      if constexpr (S::MB >= 2) fused<S, BITS, DT, NB, 2>(a, n);
+      break;
+    case 3:
+      if constexpr (S::MB >= 3) fused<S, BITS, DT, NB, 3>(a, n);
+      break;
     default:
+      if constexpr (S::MB >= 4) fused<S, BITS, DT, NB, 4>(a, n);
       break;
   }
 }
@@ -341,7 +330,7 @@ inline void wide_rows(const QmmArgs& a, int n) {
 template <class S, int BITS, Dtype DT, int NB>
 inline bool fused_block(const QmmArgs& a, int n) {
   if (a.M <= S::MB) {
-    fused_rows<S, BITS, DT, NB, 1, S::MB>(a, n);
+    fused_rows<S, BITS, DT, NB>(a, n);
   } else if (a.M <= S::MW1) {
     for (int j = 0; j < NB; ++j) wide_rows<S, BITS, 1>(a, n + j);
   } else if (a.M <= S::MW) {
@@ -364,7 +353,6 @@ inline bool fused_block(const QmmArgs& a, int n) {
       return fused_block<S, BITS, Dtype::bf16, NB>(a, n);
   }
 }
-
 
 // acc[m][j] = x[m0 + m, :] . wq[j, :] for MB rows of x and NB dequantized weight rows (L1 scratch).
 template <class S, int NB, int MB>
