@@ -65,7 +65,9 @@ def main() -> None:
         sys.exit(e.exit_code)
     except click_exceptions.UsageError as e:
         where = e.ctx.command_path if e.ctx is not None else "mlx-infer"
-        print(f"error: {e.format_message()} (see: {where} --help)", file=sys.stderr)
+        # typer converts some values through pydantic, whose messages begin with its error kind
+        message = e.format_message().replace(": Value error, ", ": ")
+        print(f"error: {message} (see: {where} --help)", file=sys.stderr)
         sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:
         print(f"error: {e.format_message()}", file=sys.stderr)

@@ -19,8 +19,10 @@ def format_stats(stats: GenerationStats) -> str:
     )
     if stats.spec_mode:
         line += f" | spec {stats.spec_mode}"
-        if stats.rounds:
-            rates = " ".join(f"{a:.2f}" for a in (stats.acceptance or []))
+        if stats.rounds and not stats.acceptance:  # e.g. --max-draft 0, or lookup never matched
+            line += f": no draft in {stats.rounds} rounds (plain decoding)"
+        elif stats.rounds:
+            rates = " ".join(f"{a:.2f}" for a in stats.acceptance)
             line += (f": tau {stats.tau:.2f}, {stats.rounds} rounds, draft {stats.draft_s:.2f} s, "
                      f"verify {stats.verify_s:.2f} s, acceptance by position [{rates}]")
     if stats.rmm is not None:

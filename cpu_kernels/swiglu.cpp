@@ -61,6 +61,26 @@ void SwiGlu::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[swiglu] the mlx-infer CPU kernels have no GPU implementation");
 }
 
+std::vector<mx::array> SwiGlu::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                   const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const mx::array& gate = primals[0];
+  const mx::array& up = primals[1];
+  const mx::array& cot = cotangents[0];
+  const mx::Stream s = stream();
+  const mx::array sig = mx::sigmoid(gate, s);
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      const mx::array one = mx::array(1.0f);
+      const mx::array slope = mx::add(one, mx::multiply(gate, mx::subtract(one, sig, s), s), s);
+      grads.push_back(mx::multiply(cot, mx::multiply(up, mx::multiply(sig, slope, s), s), s));
+    } else {
+      grads.push_back(mx::multiply(cot, mx::multiply(gate, sig, s), s));
+    }
+  }
+  return grads;
+}
+
 std::vector<mx::Shape> SwiGlu::output_shapes(const std::vector<mx::array>& inputs) {
   return {inputs[0].shape()};
 }

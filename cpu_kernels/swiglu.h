@@ -23,6 +23,10 @@ class SwiGlu : public mx::Primitive {
   const char* name() const override { return "MlxInferSwiGlu"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // d/dgate = cot * up * s * (1 + gate * (1 - s)), d/dup = cot * gate * s, s = sigmoid(gate), as MLX ops
+  // (training a drafter whose MLP runs this operation).
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
 };
 
 }  // namespace mlx_infer_kernels

@@ -6,9 +6,11 @@ reference, by the default device and what is available, and takes a wide path fo
 
 Skinny products (at most QMM_MAX_ROWS rows: decode, verify widths, block drafts) run on a kernel that
 reads each weight group once for all rows (MLX's CPU quantized matmul is a plain loop: a 16-row product
-costs 16x a 1-row one). Wider products (prefill) never fall back to that loop: on the CPU the weight is
-dequantized once (in tiles of WIDE_TILE_ROWS rows, bounding the float32 temporary) and multiplied by
-BLAS, so keeping weights quantized costs no prefill speed; on a GPU MLX's own quantized matmul runs.
+costs 16x a 1-row one). On the CPU the kernel also takes products of up to CPU_QMM_MAX_ROWS rows (short
+prompts' prefill), where it was measured faster than dequantizing the weight for BLAS. Wider products
+(prefill) never fall back to MLX's loop: on the CPU the weight is dequantized once (in tiles of
+WIDE_TILE_ROWS rows, bounding the float32 temporary) and multiplied by BLAS, so keeping weights quantized
+costs no prefill speed; on a GPU MLX's own quantized matmul runs.
 """
 
 import math
@@ -20,8 +22,12 @@ from .gpu_qmm import QMM_MAX_ROWS, cuda_available, cuda_qmm, metal_available, me
 
 #: Weight rows dequantized at a time by the CPU wide path (8192 x K float32: 19 MB at K = 576).
 WIDE_TILE_ROWS = 8192
+#: Most rows of a product the CPU kernel takes (more go to the wide path). The default model's 210 layer
+#: products on the Zen 4 VM of docs/benchmarks.md, kernel against wide path in one process, interleaved:
+#: 0.33x the time at 17 rows, 0.52x at 46, 0.74x at 128, 0.94x at 192, 1.00x at 256, 1.06x at 512.
+CPU_QMM_MAX_ROWS = 192
 
-__all__ = ["QMM_MAX_ROWS", "WIDE_TILE_ROWS", "gpu_operands", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
+__all__ = ["CPU_QMM_MAX_ROWS", "QMM_MAX_ROWS", "WIDE_TILE_ROWS", "gpu_operands", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
 
 
 def qmm_backend() -> str:
@@ -112,8 +118,8 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
 
     Returns:
         y [..., N] in promote_types(x.dtype, scales.dtype), as mx.quantized_matmul(..., transpose=True)
-        up to float32 rounding: M <= QMM_MAX_ROWS runs the skinny kernel of qmm_backend(), more rows the
-        wide path (wide_qmm).
+        up to float32 rounding: M <= QMM_MAX_ROWS runs the skinny kernel of qmm_backend() (on the CPU
+        kernel: M <= CPU_QMM_MAX_ROWS), more rows the wide path (wide_qmm).
 
     Raises:
         ValueError (MlxInferError from the GPU kernels): shapes, dtypes, bits or group size the kernels
@@ -123,7 +129,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     rows = math.prod(shape[:-1])
     if rows == 0:  # nothing to multiply; MLX's op gives the empty result's shape and dtype
         return reference_qmm(x, w, scales, biases, group_size, bits)
-    if rows <= QMM_MAX_ROWS and mx.default_device() == mx.cpu and cpu.available():
+    if rows <= CPU_QMM_MAX_ROWS and mx.default_device() == mx.cpu and cpu.available():
         return cpu.cpu_qmm(x, w, scales, biases, group_size, bits)  # [..., N]: no reshapes in the graph
     x2 = x if len(shape) == 2 else x.reshape(rows, shape[-1])  # [M, K]
     if rows <= QMM_MAX_ROWS:

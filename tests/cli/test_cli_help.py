@@ -84,6 +84,7 @@ def test_usage_errors_are_one_line_and_exit_2(run_cli):
         proc = run_cli(*args)
         assert_user_error(proc)
         assert mentioned in proc.stderr and "--help" in proc.stderr, proc.stderr
+        assert "Value error" not in proc.stderr, proc.stderr  # no validator's wording
 
 
 def test_no_arguments_prints_the_help(run_cli):

@@ -57,6 +57,17 @@ def test_a_row_does_not_depend_on_the_row_count(cpu_kernels, bits):
         assert mx.array_equal(y, alone[:m]).item(), f"{m} rows differ from the rows computed alone"
 
 
+def test_many_rows_pass_over_the_weight_in_parts(cpu_kernels):
+    """A short prompt's prefill: 100 rows of K = 1536 run in passes of 42 rows (x's rows of a pass fit
+    256 KiB); every row matches the oracle and equals that row computed alone, bit for bit."""
+    w, scales, biases = quantized(37, 1536, 32, 4, mx.float16, seed=21)
+    x = mx.random.normal((100, 1536), key=mx.random.key(8))
+    y = cpu_kernels.cpu_qmm(x, w, scales, biases, 32, 4)
+    assert_close(y, x, w, scales, biases, 32, 4)
+    for i in (0, 41, 42, 83, 84, 99):  # the first and last rows of each pass
+        assert mx.array_equal(y[i:i + 1], cpu_kernels.cpu_qmm(x[i:i + 1], w, scales, biases, 32, 4)).item(), i
+
+
 @pytest.mark.parametrize("k,n,bits", [(576, 576, 4), (576, 192, 4), (576, 1536, 4), (1536, 576, 4),
                                       (576, 49152, 8), (576, 49152, 4)])
 def test_default_model_shapes(cpu_kernels, k, n, bits):

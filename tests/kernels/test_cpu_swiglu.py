@@ -1,7 +1,7 @@
 """SwiGLU's gate on the CPU kernel (cpu_kernels/swiglu.cpp; kernels/swiglu.py) against a float64 NumPy
 oracle: the tail of a row that is not a whole vector, strided inputs, large |gate|, every instruction-set
-variant; one operation in the graph; float16 and mismatched inputs fall back to mlx-lm's swiglu or are
-refused; use_kernels swaps mlx-lm's SwiGLU MLPs."""
+variant; one operation in the graph; its gradient; float16 and mismatched inputs fall back to mlx-lm's
+swiglu or are refused; use_kernels swaps mlx-lm's SwiGLU MLPs."""
 
 import io
 import re
@@ -66,6 +66,19 @@ def test_one_operation_and_fallbacks(cpu_kernels):
         cpu_kernels.cpu_swiglu(gate.astype(mx.float16), up)
     with pytest.raises(ValueError, match="one shape"):
         cpu_kernels.cpu_swiglu(gate, up[:1])
+
+
+def test_gradient_equals_mlx_lm_swiglus(cpu_kernels):
+    """The operation's vjp (drafter training differentiates through it) against mlx-lm's swiglu's."""
+    gate = mx.random.normal((3, 40), key=mx.random.key(2)) * 3
+    up = mx.random.normal((3, 40), key=mx.random.key(3))
+    weight = mx.random.normal((3, 40), key=mx.random.key(4))
+    got = mx.grad(lambda g, u: (swiglu(g, u) * weight).sum(), argnums=(0, 1))(gate, up)
+    want = mx.grad(lambda g, u: (mlx_lm_swiglu(g, u) * weight).sum(), argnums=(0, 1))(gate, up)
+    for g, w in zip(got, want):
+        assert mx.allclose(g, w, rtol=1e-5, atol=1e-6).item()
+    only_up = mx.grad(lambda u: (swiglu(gate, u) * weight).sum())(up)
+    assert mx.allclose(only_up, want[1], rtol=1e-5, atol=1e-6).item()
 
 
 def test_use_kernels_swaps_swiglu_mlps(cpu_kernels):
