@@ -1,7 +1,6 @@
 """The --stats line of a speculative request (cli/stats.py)."""
 
-from cli.stats import format_stats
-
+from mlx_infer.cli.stats import format_stats
 from mlx_infer.generation.results import GenerationStats
 
 
