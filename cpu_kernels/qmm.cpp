@@ -283,10 +283,6 @@ std::vector<int64_t> strided_rows(int M, int64_t step) {
 
 namespace {
 
-size_t dtype_bytes(Dtype t) {
-  return t == Dtype::f32 ? 4 : 2;
-}
-
 // Rows of x per pass over the weight when a product has many (a prefill): as many as keep x's float32
 // rows within kXPassBytes (L2-sized: every weight block of the pass reads all of them), at least 16.
 constexpr int64_t kXPassBytes = 256 * 1024;
@@ -300,7 +296,8 @@ int rows_per_pass(int K) {
 void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& x = inputs[0];
   QmmArgs a = product_args(inputs, outputs[0], stream(), group_size_, bits_);
-  mx::cpu::get_command_encoder(stream()).dispatch([a, x]() mutable {
+  const int64_t y_item = int64_t(outputs[0].itemsize());
+  mx::cpu::get_command_encoder(stream()).dispatch([a, x, y_item]() mutable {
     const QmmKernel& k = kernel();
     std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order, on a cache line
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
@@ -310,7 +307,7 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
     for (int m0 = 0; m0 < M; m0 += pass) {  // one pass over the weight per `pass` rows of x
       a.M = std::min(pass, M - m0);
       a.x = xf + int64_t(m0) * a.K;
-      a.y = y + int64_t(m0) * a.ldy * int64_t(dtype_bytes(a.y_dtype));
+      a.y = y + int64_t(m0) * a.ldy * y_item;
       split_rows(a.N, a.K, int64_t(a.M) * a.N * a.K, [&](int n0, int n1, float* scratch) {
         k.rows(a, n0, n1, scratch);
       });

@@ -76,6 +76,30 @@ inline void store_y(const QmmArgs& a, int m, int n, float v) {
   }
 }
 
+// Sets a tile of MB x NB accumulators to zero.
+template <class S, int MB, int NB>
+inline void zero_tile(typename S::V (&acc)[MB][NB]) {
+  MLX_INFER_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    MLX_INFER_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = S::zero();
+    }
+  }
+}
+
+// y[m0 + m, n + j] = the sum of acc[m][j]'s lanes, for a tile of MB x NB accumulators.
+template <class S, int MB, int NB>
+inline void store_tile(const QmmArgs& a, int m0, int n, const typename S::V (&acc)[MB][NB]) {
+  MLX_INFER_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    MLX_INFER_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      store_y<S>(a, m0 + m, n + j, S::hsum(acc[m][j]));
+    }
+  }
+}
+
 // How far ahead of the group being unpacked the weight stream is prefetched (bytes). Rows are
 // contiguous, so this reaches into the row blocks that follow; the hardware prefetcher alone keeps up
 // poorly when other programs load the memory bus (measured: 4x slower on the 8-bit lm_head).
@@ -150,13 +174,7 @@ inline void fused(const QmmArgs& a, int n) {
   const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
   const int64_t sb = int64_t(n) * groups;  // this block's first scale / bias
   V acc[MB][NB];
-  MLX_INFER_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      acc[m][j] = S::zero();
-    }
-  }
+  zero_tile<S>(acc);
   for (int64_t gi = 0; gi < a.G; ++gi) {
     const int64_t g = read_group(a, gi);
     if (a.groups) {  // gathered groups (RMM): each row's stream jumps
@@ -198,13 +216,7 @@ inline void fused(const QmmArgs& a, int n) {
       }
     }
   }
-  MLX_INFER_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      store_y<S>(a, m, n + j, S::hsum(acc[m][j]));
-    }
-  }
+  store_tile<S>(a, 0, n, acc);
 }
 
 // fused<..., NB, M> for the row count M (<= S::MB) of this product.
@@ -244,13 +256,7 @@ inline void fused_wide(const QmmArgs& a, int n) {
   const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
   const float* x = a.x;
   V acc[MB][NB];
-  MLX_INFER_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      acc[m][j] = S::zero();
-    }
-  }
+  zero_tile<S>(acc);
   for (int64_t gi = 0; gi < a.G; ++gi) {
     const int64_t g = read_group(a, gi);
     V s[NB], b[NB];
@@ -291,13 +297,7 @@ inline void fused_wide(const QmmArgs& a, int n) {
       }
     }
   }
-  MLX_INFER_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      store_y<S>(a, m, n + j, S::hsum(acc[m][j]));
-    }
-  }
+  store_tile<S>(a, 0, n, acc);
 }
 
 // fused_wide<..., NB, M> for the row count M of this product (S::MB < M <= S::MW).
@@ -362,13 +362,7 @@ inline void tile(const QmmArgs& a, int m0, int n, const float* wq) {
   const int K = x_len(a);
   const float* x = a.x + int64_t(m0) * K;
   V acc[MB][NB];
-  MLX_INFER_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      acc[m][j] = S::zero();
-    }
-  }
+  zero_tile<S>(acc);
   for (int k = 0; k < K; k += L) {
     // the MB x vectors stay in registers and each weight vector is loaded once for them: MB * NB
     // accumulators + MB + 1 registers (AVX2's 3 x 4 tile fills its 16)
@@ -386,13 +380,7 @@ inline void tile(const QmmArgs& a, int m0, int n, const float* wq) {
       }
     }
   }
-  MLX_INFER_UNROLL
-  for (int m = 0; m < MB; ++m) {
-    MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      store_y<S>(a, m0 + m, n + j, S::hsum(acc[m][j]));
-    }
-  }
+  store_tile<S>(a, m0, n, acc);
 }
 
 template <class S, int NB, int MB>

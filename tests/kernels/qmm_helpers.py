@@ -1,8 +1,10 @@
 """Operands and oracles of the CPU kernel tests: random weights in MLX's affine layout, the float32 product
-computed by mx from the same operands, and the size of its terms (the scale of accumulation error); and
-the runner of checks under another instruction-set variant."""
+computed by mx from the same operands, and the size of its terms (the scale of accumulation error); the
+operations a graph holds; and the runner of checks under another instruction-set variant."""
 
+import io
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,13 @@ import mlx.core as mx
 import pytest
 
 from mlx_infer.blas import cpu_flags
+
+
+def ops_in_graph(out: mx.array) -> list:
+    """The operations between `out` and its evaluated inputs (names, from MLX's DOT export)."""
+    f = io.StringIO()
+    mx.export_to_dot(f, out)
+    return [label.split()[0] for label in re.findall(r'label ?="([^"]+)"', f.getvalue())]
 
 
 def quantized(n: int, k: int, group_size: int, bits: int, dtype=mx.float32, seed: int = 0):

@@ -3,12 +3,10 @@ against float64 NumPy oracles, next to MLX's own mx.fast ops (which MLX's CPU ba
 separate operations): every dtype, strided inputs, partial rotation, per-request offsets, frequencies;
 one operation each in the graph; bad arguments rejected."""
 
-import io
-import re
-
 import mlx.core as mx
 import numpy as np
 import pytest
+from qmm_helpers import ops_in_graph
 
 from mlx_infer.kernels.rms_norm import rms_norm
 from mlx_infer.kernels.rope import rope
@@ -20,13 +18,6 @@ EPS = {mx.float32: 2.0 ** -23, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}
 
 def f64(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32)).astype(np.float64)
-
-
-def ops_in_graph(out: mx.array) -> list:
-    """The operations between `out` and its evaluated inputs (names, from MLX's DOT export)."""
-    f = io.StringIO()
-    mx.export_to_dot(f, out)
-    return [label.split()[0] for label in re.findall(r'label ?="([^"]+)"', f.getvalue())]
 
 
 def rms_oracle(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
