@@ -200,13 +200,12 @@ class BatchLayerCache:
         ours, window = step.window_of(mask)
         if not (step.fused and ours and fused_attention_applies(pool, queries.shape[2])):
             return None
+        keys, values = pool.layer_kv(self.layer)
         if pool.quant is not None:  # the packed rows, dequantized tile by tile in the kernel, in their basis
-            out = paged_quant_attention(keys_basis(queries, pool.quant), pool.keys[self.layer],
-                                        pool.values[self.layer], *step.kernel_operands(), scale,
-                                        pool.quant.group_size, window or 0)  # [B, n_q, L, Dv]
+            out = paged_quant_attention(keys_basis(queries, pool.quant), keys, values, *step.kernel_operands(),
+                                        scale, pool.quant.group_size, window or 0)  # [B, n_q, L, Dv]
             return values_basis(out, pool.quant)
-        return paged_attention(queries, pool.keys[self.layer], pool.values[self.layer], *step.kernel_operands(),
-                               scale, window or 0)  # [B, n_q, L, Dv]
+        return paged_attention(queries, keys, values, *step.kernel_operands(), scale, window or 0)  # [B, n_q, L, Dv]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
         """bool [B, 1, L, S] (BatchStep.mask).

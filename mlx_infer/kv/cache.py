@@ -69,7 +69,7 @@ class PagedKVCache:
         pool = self.sequence.pool
         pool.configure(n_kv, kd, values.shape[3], keys.dtype)
         rows = self.sequence.write_rows(self.layer, L)  # [n_kv * L]
-        pool.write(self.layer, rows, keys[0], values[0])  # [n_kv, L, D]
+        pool.write(self.layer, rows, keys, values)  # [1, n_kv, L, D]: rows h * L + t
         return self.sequence.live(self.layer)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -113,12 +113,8 @@ class PagedKVCache:
         """queries [1, n_q, L, D] (the last L live tokens' positions) -> [1, n_q, L, Dv] on the paged kernel,
         reading the live rows in place through the token table (as dense_attention over a dense cache's
         buffer: the same rows in the same order give the same result)."""
-        rows, positions = self.sequence.kernel_view()  # [1, n_kv, S], [1, S]
-        pool = self.sequence.pool
-        S = rows.shape[2]
-        q_pos = mx.arange(self.offset - queries.shape[2], self.offset, dtype=mx.int32)[None]  # [1, L]
-        return paged_attention(queries, pool.keys[self.layer], pool.values[self.layer], rows,
-                               mx.array([S], dtype=mx.int32), q_pos, positions, scale)
+        keys, values = self.sequence.pool.layer_kv(self.layer)  # [n_kv * rows, D] each
+        return paged_attention(queries, keys, values, *self.sequence.kernel_operands(queries.shape[2]), scale)
 
     @property
     def state(self) -> Tuple[mx.array, mx.array]:

@@ -110,6 +110,9 @@ class BlockPool:
         Raises:
             MlxInferError: a layer whose keys / values differ from the pool's layout.
         """
+        layout = (n_kv_heads, k_dim, v_dim, dtype)
+        if layout == self.layout:  # every layer's write of every step: the check only
+            return
         layout = (int(n_kv_heads), int(k_dim), int(v_dim), dtype)
         if self.layout is None:
             if self.quant is not None:
@@ -190,16 +193,22 @@ class BlockPool:
         """Every array of the pool (all layers' planes), e.g. to evaluate after writes."""
         return [a for planes in self.planes if planes is not None for a in planes]
 
+    def layer_kv(self, layer: int) -> Tuple[Union[mx.array, Packed], Union[mx.array, Packed]]:
+        """(keys, values) of layer `layer`: float blocks [n_kv * rows, k_dim] and [n_kv * rows, v_dim];
+        quantized ones a Packed (codes, scales, biases) each, with the same rows. Row = head * rows + slot.
+        Attention calls this once per layer and step: it touches that layer only."""
+        p = self.planes[layer]
+        return (p[0], p[1]) if self.quant is None else (tuple(p[:3]), tuple(p[3:]))
+
     @property
     def keys(self) -> List[Union[None, mx.array, Packed]]:
-        """Per layer its keys: float blocks [n_kv * rows, k_dim]; quantized ones the Packed (codes, scales,
-        biases) with the same rows (None before the first allocation). Row = head * rows + slot."""
-        return [None if p is None else (p[0] if self.quant is None else tuple(p[:3])) for p in self.planes]
+        """Per layer its keys (layer_kv's first; None before the first allocation)."""
+        return [None if p is None else self.layer_kv(i)[0] for i, p in enumerate(self.planes)]
 
     @property
     def values(self) -> List[Union[None, mx.array, Packed]]:
         """Per layer its values, as `keys`."""
-        return [None if p is None else (p[1] if self.quant is None else tuple(p[3:])) for p in self.planes]
+        return [None if p is None else self.layer_kv(i)[1] for i, p in enumerate(self.planes)]
 
     # ---- allocation
 
@@ -333,7 +342,7 @@ class BlockPool:
         planes = self.planes[layer]
         k, v = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [n_kv * L, D]
         if self.quant is None:
-            new = [k, v]
+            new = (k, v)
         else:
             q = self.quant
             k, v = keys_basis(k, q), values_basis(v, q)
@@ -380,9 +389,16 @@ class BlockPool:
         return [a.reshape(n_kv, rows, a.shape[-1])[:, start:stop] for a in self.planes[layer]]
 
     def read_range(self, layer: int, start: int, stop: int) -> Tuple[mx.array, mx.array]:
-        """(keys [n_kv, stop - start, k_dim], values) of the contiguous slots [start, stop): views, no copy
-        (quantized blocks: dequantized)."""
-        return self._as_kv(self.range_planes(layer, start, stop), (self.layout[0], -1))
+        """(keys [1, n_kv, stop - start, k_dim], values [1, n_kv, stop - start, v_dim]) of the contiguous
+        slots [start, stop) with a request's batch axis: views, no copy (quantized blocks: dequantized).
+        Every layer of every step reads this way, so float blocks take two view operations per array."""
+        n_kv, rows = self.layout[0], self.capacity * self.block_size
+        if self.quant is None:
+            k, v = self.planes[layer]
+            return (k.reshape(1, n_kv, rows, k.shape[1])[:, :, start:stop],
+                    v.reshape(1, n_kv, rows, v.shape[1])[:, :, start:stop])
+        k, v = self._as_kv(self.range_planes(layer, start, stop), (1, n_kv, -1))
+        return k, v
 
     def move(self, src: np.ndarray, dst: np.ndarray, stream: Optional[mx.Stream] = None) -> List[mx.array]:
         """Copy the K and V of slots src int [M] to slots dst int [M] in every layer (on `stream`; quantized

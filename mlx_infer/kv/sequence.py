@@ -31,8 +31,8 @@ class PagedSequence:
         self._index: Optional[mx.array] = None  # int32 [n_kv * S] pool rows of the live slots, logical order
         self._range: Optional[Tuple[int, int]] = None  # (start, stop) when those slots are contiguous
         self._positions: Optional[np.ndarray] = None
-        self._kernel_version = (-1, -1)
-        self._kernel_view: Optional[Tuple[mx.array, mx.array]] = None  # (rows [1, n_kv, S], positions [1, S])
+        self._kernel_key: Tuple[int, ...] = ()
+        self._kernel_operands: Optional[Tuple[mx.array, ...]] = None  # see kernel_operands
         self._write_key: Tuple[int, ...] = ()
         self._write_rows: Optional[mx.array] = None  # int32 [n_kv * L], the current forward's write rows
 
@@ -100,9 +100,8 @@ class PagedSequence:
         of the pool when their slots are contiguous, else one gather (`mx.take`) per array."""
         self._refresh()
         if self._range is not None:
-            k, v = self.pool.read_range(layer, *self._range)
-        else:
-            k, v = self.pool.read(layer, self._index)
+            return self.pool.read_range(layer, *self._range)  # [1, n_kv, S, D]
+        k, v = self.pool.read(layer, self._index)
         return k[None], v[None]  # [1, n_kv, S, D]
 
     def live_packed(self, layer: int) -> Tuple[List[mx.array], List[mx.array]]:
@@ -117,16 +116,21 @@ class PagedSequence:
             planes = [a.reshape(n_kv, -1, a.shape[-1]) for a in self.pool.take(layer, self._index)]
         return planes[:3], planes[3:]
 
-    def kernel_view(self) -> Tuple[mx.array, mx.array]:
-        """The paged-attention kernel's view of the live tokens, built once per table version for all
-        layers: (pool rows int32 [1, n_kv, S] in logical order, original positions int32 [1, S])."""
+    def kernel_operands(self, L: int) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+        """paged_attention's operands for the last L live tokens as queries, built once per table version
+        for all layers: (pool rows int32 [1, n_kv, S] in logical order, lengths int32 [1] (S), query
+        positions int32 [1, L], original positions int32 [1, S])."""
         self._refresh()
-        if self._kernel_version != self._index_version:
+        key = (self._index_version, L)
+        if self._kernel_key != key:
             slots = self.table.slots(self._positions)
             rows = self.pool.rows(slots).reshape(1, self.pool.layout[0], -1)  # [1, n_kv, S]
-            self._kernel_view = (rows, mx.array(self._positions.astype(np.int32))[None])
-            self._kernel_version = self._index_version
-        return self._kernel_view
+            positions = self._positions.astype(np.int32)
+            self._kernel_operands = (rows, mx.array([positions.size], dtype=mx.int32),
+                                     mx.array(np.arange(self.table.length - L, self.table.length, dtype=np.int32))[None],
+                                     mx.array(positions)[None])
+            self._kernel_key = key
+        return self._kernel_operands
 
     def live_positions(self) -> np.ndarray:
         """Original positions of the live tokens, ascending: int64 [S]."""

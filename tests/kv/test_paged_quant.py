@@ -70,9 +70,10 @@ def test_rows_read_back_as_mlx_round_trip(rotate):
     for b in blocks[1:]:
         pool.release(b)
     assert pool.shrink() and pool.capacity == 2  # a copy of the used prefix, every plane
-    rk, rv = pool.read_range(1, 0, 4)  # block 0's slots, contiguous
-    np.testing.assert_array_equal(np.array(rk), np.array(want_k[:, :4]))
-    np.testing.assert_array_equal(np.array(rv), np.array(want_v[:, :4]))
+    rk, rv = pool.read_range(1, 0, 4)  # block 0's slots, contiguous, with a request's batch axis
+    assert rk.shape == (1, 2, 4, 64)
+    np.testing.assert_array_equal(np.array(rk), np.array(want_k[None, :, :4]))
+    np.testing.assert_array_equal(np.array(rv), np.array(want_v[None, :, :4]))
 
 
 def test_pool_layout_checks():
