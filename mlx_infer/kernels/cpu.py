@@ -66,6 +66,7 @@ class _State:
 
     module: Optional[ModuleType] = None
     reason: Optional[str] = None
+    backend: str = "reference"  # cpu_backend()'s answer on the CPU device: "cpu-<isa>" with a module
 
 
 #: Temporary build folders of this process, per cache folder that could not be written.
@@ -291,7 +292,7 @@ def _find() -> _State:
         return _State(reason=f"the CPU kernels in {path} were built but do not run ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); rebuild them with "
                              "mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
-    return _State(module=module)
+    return _State(module=module, backend=f"cpu-{module.isa()}")
 
 
 def _load() -> _State:
@@ -352,9 +353,8 @@ def build_id() -> Optional[str]:
 def cpu_backend() -> str:
     """'cpu-<isa>' when MLX's default device is the CPU and the kernels are available (what the kernel
     modules' `*_backend()` report for their CPU kernel), else 'reference'."""
-    if mx.default_device() == mx.cpu and available():
-        return f"cpu-{isa()}"
-    return "reference"
+    state = _current or _load()  # every kernel call asks: the answer is kept with the loaded module
+    return state.backend if mx.default_device() == mx.cpu else "reference"
 
 
 def num_threads() -> int:
