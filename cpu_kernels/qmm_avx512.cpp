@@ -13,13 +13,12 @@ struct Avx512 {
   static constexpr int NB = 4;  // weight rows per block
   static constexpr int MB = 4;  // x rows per register tile (16 accumulators of 32 registers)
   static constexpr int TB = 4;  // the same over the scratch
-  // fused_wide for MB < M <= MW rows, one weight row per call up to MW1 rows, NW above. Measured on Zen 4
+  // fused_wide for MB < M <= MW rows, one weight row per call up to 6 rows, two above. Measured on Zen 4
   // (the default model's 30 layers of products against the scratch path, interleaved in one process):
   // 0.87x the time at 5-6 rows, 0.92x at 7 (0.97x with 1 weight row per call), 0.94-0.96x at 8-10,
   // 0.98x at 11, 1.05x at 12; 12 and more rows keep the scratch.
   static constexpr int MW = 11;
-  static constexpr int MW1 = 6;
-  static constexpr int NW = 2;
+  static constexpr int wide_rows_per_call(int M) { return M <= 6 ? 1 : 2; }
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }

@@ -308,6 +308,8 @@ inline void wide_rows(const QmmArgs& a, int n) {
     case R:               \
       if constexpr (S::MW >= R) fused_wide<S, BITS, NB, R>(a, n); \
       break;
+    MLX_INFER_WIDE(3)
+    MLX_INFER_WIDE(4)
     MLX_INFER_WIDE(5)
     MLX_INFER_WIDE(6)
     MLX_INFER_WIDE(7)
@@ -331,11 +333,13 @@ template <class S, int BITS, Dtype DT, int NB>
 inline bool fused_block(const QmmArgs& a, int n) {
   if (a.M <= S::MB) {
     fused_rows<S, BITS, DT, NB>(a, n);
-  } else if (a.M <= S::MW1) {
-    for (int j = 0; j < NB; ++j) wide_rows<S, BITS, 1>(a, n + j);
   } else if (a.M <= S::MW) {
-    constexpr int NW = NB < S::NW ? NB : S::NW;
-    for (int j = 0; j < NB; j += NW) wide_rows<S, BITS, NW>(a, n + j);
+    if (NB >= 2 && S::wide_rows_per_call(a.M) == 2) {
+      constexpr int NW = NB < 2 ? 1 : 2;
+      for (int j = 0; j < NB; j += NW) wide_rows<S, BITS, NW>(a, n + j);
+    } else {
+      for (int j = 0; j < NB; ++j) wide_rows<S, BITS, 1>(a, n + j);
+    }
   } else {
     return false;
   }

@@ -67,8 +67,7 @@ struct Generic {
   static constexpr int MB = 2;
   static constexpr int TB = 2;
   static constexpr int MW = 0;  // no fused_wide (not measured where this variant runs)
-  static constexpr int MW1 = 0;
-  static constexpr int NW = 1;
+  static constexpr int wide_rows_per_call(int) { return 1; }
   struct V {
     float v[L];
   };

@@ -67,16 +67,14 @@ def gpu_operands(x: mx.array, scales: mx.array, biases: mx.array):
 
 def _skinny(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
             bits: int) -> mx.array:
-    """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on the best kernel available."""
+    """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on the GPU kernel available, else the reference (the CPU
+    kernel takes its rows before this, in qmm)."""
     if mx.default_device() == mx.gpu:
         operands = gpu_operands(x, scales, biases)
         if operands is not None and metal_available():
             return metal_qmm(x, w, *operands, group_size, bits)
         if operands is not None and cuda_available():
             return cuda_qmm(x, w, *operands, group_size, bits)
-        return reference_qmm(x, w, scales, biases, group_size, bits)
-    if cpu.available():
-        return cpu.cpu_qmm(x, w, scales, biases, group_size, bits)
     return reference_qmm(x, w, scales, biases, group_size, bits)
 
 
