@@ -66,12 +66,12 @@ def bench_write(args):
         k = mx.ones((3, 1, 64), mx.float16)
         mx.eval(k)
         pool.write(0, pool.rows(np.array([0])), k, k)
-        mx.eval(pool.keys + pool.values)
+        mx.eval(pool.arrays())
         times = []
         for i in range(200):
             t = time.perf_counter()
             pool.write(0, pool.rows(np.array([i % 16])), k, k)
-            mx.eval(pool.keys[0], pool.values[0])
+            mx.eval(pool.layer_kv(0))
             times.append(time.perf_counter() - t)
         rows.append({"pool_blocks": blocks, "pool_mb": round(pool.nbytes / 1e6, 1),
                      "write_us_median": round(statistics.median(times) * 1e6, 1)})
@@ -92,7 +92,7 @@ def bench_memory(args):
     rows = []
 
     def stage(name):
-        mx.eval(pool.keys + pool.values)
+        mx.eval(pool.arrays())
         gc.collect()
         rows.append({"stage": name, "blocks_in_use": pool.blocks_in_use,
                      "pool_mb_in_use": round(pool.bytes_in_use / 1e6, 1), "pool_capacity_blocks": pool.capacity,
@@ -103,7 +103,7 @@ def bench_memory(args):
     stage("evicted 75% (Naive-Evict)")
     t = time.perf_counter()
     Repacker(low_watermark=None).maybe_repack(seq)
-    mx.eval(pool.keys + pool.values)
+    mx.eval(pool.arrays())
     repack_s = time.perf_counter() - t
     stage("repacked")
     pool.shrink()
@@ -253,7 +253,7 @@ def bench_retained(args, engine):
                 ctl.step(tap.rows())
                 naive.evict(np.setdiff1d(naive.live_tokens(), seq.table.live_tokens()))
                 naive_blocks.append(len(naive.blocks))
-        mx.eval(pool.keys + pool.values)
+        mx.eval(pool.arrays())
         gc.collect()
         active_before = mx.get_active_memory()
         shrank = pool.shrink()

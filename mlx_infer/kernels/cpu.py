@@ -441,7 +441,7 @@ def cpu_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: 
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
-        k_pool: [rows, D] one layer's keys of the pool (BlockPool.keys[layer]: row = head * slots + slot).
+        k_pool: [rows, D] one layer's keys of the pool (BlockPool.layer_kv(layer)[0]: row = head * slots + slot).
         v_pool: [rows, Dv] its values, k_pool's dtype (float32 / float16 / bfloat16); D, Dv multiples of 16.
         index: int32 [B, n_kv, S] pool rows of request b's live tokens for KV head h, right-padded (n_q a
             multiple of n_kv: query head g reads KV head g // (n_q // n_kv)).
@@ -470,7 +470,7 @@ def cpu_paged_quant_attention(q: mx.array, keys, values, index: mx.array, length
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
         keys: (codes uint32 [rows, D * k_bits / 32], scales, biases [rows, D / group_size]) one layer's keys
-            of the pool (BlockPool.keys[layer]); values: the same for V (v_bits, Dv). Bits 4 or 8; D, Dv
+            of the pool (BlockPool.layer_kv(layer)[0]); values: the same for V (v_bits, Dv). Bits 4 or 8; D, Dv
             multiples of 32 and of group_size; scales and biases float16 / bfloat16 / float32, one dtype.
         index, lengths, q_pos, k_pos, scale, window: as cpu_paged_attention.
         group_size: values per scale / bias along head_dim (32, 64 or 128).

@@ -2,9 +2,9 @@
 `paged_quant_attention` (quantized blocks) run the CPU kernel (cpu_kernels/attn_body.h, PagedRows /
 PagedQuantRows) or the pure-mx reference (the oracle) by the default device and what is available.
 
-    out = paged_attention(q, pool.keys[layer], pool.values[layer], index, lengths, q_pos, k_pos, D ** -0.5)
-    out = paged_quant_attention(q, pool.keys[layer], pool.values[layer], index, lengths, q_pos, k_pos,
-                                D ** -0.5, group_size)      # pool.keys[layer]: (codes, scales, biases)
+    out = paged_attention(q, *pool.layer_kv(layer), index, lengths, q_pos, k_pos, D ** -0.5)
+    out = paged_quant_attention(q, *pool.layer_kv(layer), index, lengths, q_pos, k_pos,
+                                D ** -0.5, group_size)      # layer_kv: (codes, scales, biases) each
 
 The pool holds every request's K/V rows (BlockPool: row = head * slots + slot); a request's live tokens are
 scattered over its blocks. The reference gathers them (`mx.take`: a [B, n_kv, S, D] copy per layer and per
@@ -150,7 +150,7 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
-        keys: one layer's keys of the pool (BlockPool.keys[layer]): (codes uint32 [rows, D * k_bits / 32],
+        keys: one layer's keys of the pool (BlockPool.layer_kv(layer)[0]): (codes uint32 [rows, D * k_bits / 32],
             scales, biases [rows, D / group_size] float16 / bfloat16 / float32), MLX's affine layout.
         values: the same for V ([rows, Dv * v_bits / 32], ...; its own bits).
         index, lengths, q_pos, k_pos, scale, window: as paged_attention.
@@ -179,7 +179,7 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
-        k_pool: [rows, D] one layer's keys of the pool (BlockPool.keys[layer]); v_pool: [rows, Dv], one dtype.
+        k_pool: [rows, D] one layer's keys of the pool (BlockPool.layer_kv(layer)[0]); v_pool: [rows, Dv], one dtype.
         index: int32 [B, n_kv, S] pool rows of request b's live tokens for KV head h, right-padded (query
             head g reads KV head g // (n_q // n_kv)).
         lengths: int32 [B] live tokens per request (index entries past them are not read).

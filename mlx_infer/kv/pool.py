@@ -200,16 +200,6 @@ class BlockPool:
         p = self.planes[layer]
         return (p[0], p[1]) if self.quant is None else (tuple(p[:3]), tuple(p[3:]))
 
-    @property
-    def keys(self) -> List[Union[None, mx.array, Packed]]:
-        """Per layer its keys (layer_kv's first; None before the first allocation)."""
-        return [None if p is None else self.layer_kv(i)[0] for i, p in enumerate(self.planes)]
-
-    @property
-    def values(self) -> List[Union[None, mx.array, Packed]]:
-        """Per layer its values, as `keys`."""
-        return [None if p is None else self.layer_kv(i)[1] for i, p in enumerate(self.planes)]
-
     # ---- allocation
 
     def allocate(self, n: int) -> List[int]:

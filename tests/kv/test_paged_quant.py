@@ -97,7 +97,7 @@ def attention_of(sequence, q):
     index = mx.array(np.array(pool.rows(table.slots(tokens))).reshape(1, pool.layout[0], -1))
     ops = (index, mx.array([tokens.size], mx.int32), mx.array([[table.length]], mx.int32),
            mx.array(tokens[None].astype(np.int32)))
-    keys, values = pool.keys[0], pool.values[0]
+    keys, values = pool.layer_kv(0)
     return (np.array(paged_quant_attention(q, keys, values, *ops, 0.125, pool.quant.group_size)),
             np.array(reference_paged_quant_attention(q, keys, values, *ops, 0.125, pool.quant.group_size)))
 

@@ -23,7 +23,7 @@ def filled(tokens: int, **pool_kw):
     for c in caches:
         kv = mx.array(rng.standard_normal((1, N_KV, tokens, D)).astype(np.float32))
         c.update_and_fetch(kv, kv * 2)
-    mx.eval(pool.keys + pool.values)
+    mx.eval(pool.arrays())
     return pool, seq, caches
 
 
@@ -43,11 +43,11 @@ def test_repack_frees_blocks_and_memory():
     for layer, c in enumerate(caches):  # the same live tokens, in the same order
         np.testing.assert_array_equal(np.array(c.state[0]), before[layer][:, :, keep])
 
-    mx.eval(pool.keys + pool.values)
+    mx.eval(pool.arrays())
     gc.collect()
     active = mx.get_active_memory()
     assert pool.shrink()
-    mx.eval(pool.keys + pool.values)
+    mx.eval(pool.arrays())
     gc.collect()
     assert pool.capacity == 256
     freed = active - mx.get_active_memory()
