@@ -2,7 +2,9 @@
 
 import mlx_infer  # noqa: F401  (first: picks the optimized BLAS before mlx.core loads)
 
+import inspect
 import sys
+from typing import Callable
 
 import typer
 
@@ -22,13 +24,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command(epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(generate)
-app.command(epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
-app.command(epilog="Example: mlx-infer serve --port 8080")(serve)
-app.command()(doctor)
-app.command(epilog="Example: mlx-infer convert model.gguf ./model-mlx")(convert)
-app.command(epilog="Example: mlx-infer bench --spec off --spec lookup -n 64")(bench)
-app.command("train-drafter", epilog="Example: mlx-infer train-drafter --kind dflash --data prompts.txt --out my-drafter")(train_drafter)
+
+
+def _help(command: Callable) -> str:
+    """The command's docstring with each paragraph on one line: typer keeps the line breaks of the paragraphs
+    after the first, and the terminal would break those lines again at its own width."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+app.command(help=_help(generate), epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(generate)
+app.command(help=_help(chat), epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
+app.command(help=_help(serve), epilog="Example: mlx-infer serve --port 8080")(serve)
+app.command(help=_help(doctor))(doctor)
+app.command(help=_help(convert), epilog="Example: mlx-infer convert model.gguf ./model-mlx")(convert)
+app.command(help=_help(bench), epilog="Example: mlx-infer bench --spec off --spec lookup -n 64")(bench)
+app.command("train-drafter", help=_help(train_drafter),
+            epilog="Example: mlx-infer train-drafter --kind dflash --data prompts.txt --out my-drafter")(train_drafter)
 
 
 def version_callback(value: bool) -> None:

@@ -10,6 +10,7 @@ from .blas import preload_optimized_blas
 # Before mlx.core is imported anywhere: MLX's CPU backend then uses an optimized BLAS.
 preload_optimized_blas()
 
+import inspect  # noqa: E402
 from typing import Callable, Optional, Union  # noqa: E402
 
 from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  # noqa: E402
@@ -44,8 +45,15 @@ def load(model: Optional[str] = None, *, weights: str = "auto", progress: Option
 
     Raises:
         MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF, a bad rmm (not a
-            string, a bad item, or a layer range that selects none of the model's layers).
+            string, a bad item, or a layer range that selects none of the model's layers), an option
+            load() does not take.
     """
+    known = set(inspect.signature(Engine.configure_kv).parameters) - {"self", "kv_cache", "kv_budget", "block_size"}
+    unknown = sorted(set(kv_quant) - known)
+    if unknown:  # checked before any model work, as rmm
+        raise MlxInferError(f"load() got an unknown option {unknown[0]!r}; it takes model, weights, progress, "
+                            f"kv_cache, kv_budget, block_size, rmm, {', '.join(sorted(known))} (sampling, "
+                            "speculative and eviction options go to engine.generate)")
     retention = parse_rmm(rmm)  # checked before any model work
     net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
     if retention is not None:

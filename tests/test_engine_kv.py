@@ -222,3 +222,11 @@ def test_a_failing_request_returns_its_blocks(fresh):
     with pytest.raises(MlxInferError, match="no model at"):  # the drafter fails to load after the cache was taken
         fresh.generate(PROMPTS[0], max_tokens=4, speculative="draft", draft_model="/missing/dir")
     assert fresh.kv_pool.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("name", ["kv_cahce", "evict", "max_tokens"])
+def test_an_unknown_load_option_fails_before_loading(name):
+    """A misspelt or misplaced option names load() and the options it takes, before any model work (the
+    path does not exist, so reaching the loader would raise another error)."""
+    with pytest.raises(MlxInferError, match=rf"^load\(\) got an unknown option '{name}'; it takes model, .*kv_bits"):
+        mlx_infer.load("/nonexistent/model.gguf", **{name: "paged"})

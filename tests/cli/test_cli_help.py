@@ -30,6 +30,16 @@ def test_generate_help_lists_flags(run_cli):
         assert flag in proc.stdout, flag
 
 
+def test_help_paragraphs_wrap_at_the_terminal_width(run_cli):
+    """A docstring's paragraphs after the first reach the terminal as one line each: at 300 columns a
+    sentence that the source breaks across lines stays whole, and at 60 columns no line is wider."""
+    wide = run_cli("serve", "--help", env=cli_env(COLUMNS="300"))
+    assert wide.returncode == 0, wide.stderr
+    assert "--kv-budget bounds its memory: a request waits while the budget is full" in wide.stdout
+    narrow = run_cli("serve", "--help", env=cli_env(COLUMNS="60"))
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 60
+
+
 def test_version(run_cli):
     proc = run_cli("--version")
     assert proc.returncode == 0
