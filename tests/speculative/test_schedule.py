@@ -1,5 +1,6 @@
 """Draft-length scheduling: cost curves, acceptance estimates, the choice of gamma, the plain fallback."""
 
+import json
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -7,7 +8,8 @@ import pytest
 
 from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
 from mlx_infer.speculative import SpecOptions, SpecState
-from mlx_infer.speculative.cost import CostCurve, measure_cost_curve
+from mlx_infer.speculative import cost
+from mlx_infer.speculative.cost import COST_ATTEMPTS, CostCurve, consistent, cost_curve, measure_cost_curve
 from mlx_infer.speculative.schedule import (
     ARM_BACKOFF, ARM_WINDOW, PROBE_EVERY, DraftScheduler, expected_committed, speculation_pays,
 )
@@ -112,6 +114,50 @@ def test_measure_cost_curve_times_every_width(make_tiny):
     assert sorted(curve.seconds) == [1, 2, 3, 4]
     assert 0 < curve.plain() == curve.plain_step
     assert all(t > 0 for t in curve.seconds.values())
+
+
+#: A curve measured on this machine while it was busy (seconds): its plain step came out 1.16x its width-1
+#: forward, where an idle run gives 0.97x (14.3 against 14.7 ms).
+BUSY_CURVE = {"seconds": {"1": 0.02167, "2": 0.02637, "3": 0.02774, "4": 0.02850}, "plain_step": 0.02514}
+
+
+def test_a_curve_whose_plain_step_exceeds_its_width_1_forward_is_not_consistent():
+    assert not consistent(BUSY_CURVE, 4)
+    assert consistent({**BUSY_CURVE, "plain_step": 0.97 * 0.02167}, 4)
+    assert consistent({**BUSY_CURVE, "plain_step": 1.09 * 0.02167}, 4)  # within PLAIN_SLACK
+    assert not consistent({**BUSY_CURVE, "plain_step": 0.02}, 5)  # too short
+    assert not consistent({**BUSY_CURVE, "plain_step": 0.0}, 4)
+
+
+def test_an_inconsistent_cached_curve_is_measured_again(make_tiny, make_target, tmp_path, monkeypatch):
+    """A cached curve timed while the machine was busy is replaced by a new measurement, which is kept."""
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
+    target = make_target(make_tiny(seed=6, layers=2))
+    said = []
+    cost_curve(target, 4, say=said.append)
+    (path,) = (tmp_path / "cost").glob("*.json")
+    path.write_text(json.dumps(BUSY_CURVE))
+    curve = cost_curve(target, 4, say=said.append)
+    assert len(said) == 2 and curve.plain_step != BUSY_CURVE["plain_step"]
+    assert consistent(json.loads(path.read_text()), 4)
+    assert cost_curve(target, 4, say=said.append).to_json() == curve.to_json() and len(said) == 2  # kept
+
+
+def test_a_curve_inconsistent_every_time_is_kept_with_its_plain_step_capped(make_tiny, make_target, tmp_path,
+                                                                            monkeypatch):
+    """After COST_ATTEMPTS inconsistent measurements the last is kept with plain step = width-1 forward, so
+    that a machine where pipelining never pays does not measure before every request."""
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
+    calls = []
+
+    def busy(model, max_width, vocab_size, pipelined=True):
+        calls.append(max_width)
+        return CostCurve({int(k): v for k, v in BUSY_CURVE["seconds"].items()}, BUSY_CURVE["plain_step"])
+
+    monkeypatch.setattr(cost, "measure_cost_curve", busy)
+    curve = cost_curve(make_target(make_tiny(seed=6, layers=2)), 4)
+    assert len(calls) == COST_ATTEMPTS
+    assert curve.plain_step == BUSY_CURVE["seconds"]["1"] and curve.seconds[4] == BUSY_CURVE["seconds"]["4"]
 
 
 def test_skip_view_runs_the_kept_layers_only(make_tiny):
