@@ -5,7 +5,7 @@ sampler can poison later calls in the same process.
 """
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -92,7 +92,16 @@ class SamplingParams:
             raise MlxInferError("stop strings must be non-empty strings")
 
     def with_(self, **changes) -> "SamplingParams":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        Raises:
+            MlxInferError: a name that is not a field (e.g. a typo passed to engine.generate), naming the
+                fields; or a bad value.
+        """
+        names = [f.name for f in fields(self) if f.init]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise MlxInferError(f"unknown option {unknown[0]!r}; the sampling options are {', '.join(names)}")
         return replace(self, **changes)
 
     def for_vocab(self, vocab: int) -> "SamplingParams":

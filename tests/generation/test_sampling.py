@@ -103,3 +103,11 @@ def test_top_k_one_is_greedy(tiny_engine):
     greedy = tiny_engine.generate("hello", max_tokens=8, chat_template=False).token_ids
     topk1 = tiny_engine.generate("hello", temperature=1.0, top_k=1, seed=3, max_tokens=8, chat_template=False).token_ids
     assert topk1 == greedy
+
+
+def test_an_unknown_sampling_option_is_one_line_naming_the_options():
+    """engine.generate(..., max_token=10) reaches SamplingParams.with_: one MlxInferError naming the fields,
+    not dataclasses' TypeError about SamplingParams.__init__."""
+    with pytest.raises(MlxInferError, match=r"unknown option 'max_token'; the sampling options are .*max_tokens"):
+        SamplingParams().with_(max_token=10)
+    assert SamplingParams().with_(max_tokens=10).max_tokens == 10
