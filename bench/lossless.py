@@ -11,8 +11,11 @@ scheduler chooses each round).
 Where an output differs, the first differing position and the target's top-2 logit margin there are
 reported (a float32 model should have none).
 
+The KV cache can be quantized or paged (--kv-bits 4 / 8 / k8v4, --kv-scheme affine / kivi, --kv-cache
+paged): verify forwards must write and read the same K/V rows as one-token steps there too.
+
 Usage: python bench/lossless.py [--model PATH] [--max-tokens 24] [--modes lookup,draft,layerskip,dflash,auto]
-       [--gammas 1,2,4,8,auto] [--start N]
+       [--gammas 1,2,4,8,auto] [--start N] [--kv-bits 4] [--kv-scheme kivi] [--kv-cache paged]
 Exit status 1 when any output differs. Writes bench/results/lossless-*.json.
 """
 
@@ -58,12 +61,15 @@ def main():
                     help="pinned draft lengths, and 'auto' (the scheduler, which also launches plain rounds ahead)")
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--start", type=int, default=1, help="first prompt to run (1-based), to finish a stopped run")
+    ap.add_argument("--kv-bits", default=None, help="quantized KV: 8, 4 or k8v4 (default: float)")
+    ap.add_argument("--kv-scheme", default="affine", help="quantized KV scheme: affine or kivi")
+    ap.add_argument("--kv-cache", default="dense", help="dense or paged")
     args = ap.parse_args()
 
     from mlx_infer.paths import cache_dir
     from mlx_infer.speculative import cut_draft_model
 
-    engine = mlx_infer.load(args.model)
+    engine = mlx_infer.load(args.model, kv_cache=args.kv_cache, kv_bits=args.kv_bits, kv_scheme=args.kv_scheme)
     draft_dir = cache_dir() / "bench-draft" / f"{engine.source.mlx_dir.name}-{args.draft_layers}"
     if not (draft_dir / "config.json").is_file():
         cut_draft_model(engine.source.mlx_dir, draft_dir, args.draft_layers)
@@ -89,7 +95,8 @@ def main():
                                   "margin": top2_margin(engine, list(ids) + plain[:k])})
         print(f"[{i + 1}/{len(todo)}] {runs} runs, {len(diffs)} differ, {time.perf_counter() - t0:.0f} s", flush=True)
     info = machine()
-    print(f"model: {engine.source.name} ({engine.source.weights} weights); prompts {args.start}-{len(todo)} x modes {modes} x "
+    kv = f"KV {args.kv_cache}, {args.kv_bits or 'float'}" + (f" {args.kv_scheme}" if args.kv_bits else "")
+    print(f"model: {engine.source.name} ({engine.source.weights} weights), {kv}; prompts {args.start}-{len(todo)} x modes {modes} x "
           f"gamma {gammas}, {args.max_tokens} new tokens: {runs} runs, {len(diffs)} differ from plain decoding")
     for d in diffs:
         print(f"  prompt {d['prompt']} {d['mode']} gamma {d['gamma']}: first difference at token {d['position']}, "

@@ -15,6 +15,11 @@ LOOKUP_MAX_NGRAM = 3
 LOOKUP_MIN_NGRAM = 1
 #: Largest draft length (gamma) tried by speculative decoding when max_draft is "auto".
 DEFAULT_MAX_DRAFT = 8
+#: Widest verify forward (pending token + drafts) a speculative round runs, whatever max_draft asks: up to
+#: this many positions attention runs on the decode kernels, which compute each query row as a one-token
+#: step does (kernels.paged_attention.PAGED_MAX_QUERIES); from 17 (kernels.prefill_attention's
+#: PREFILL_MIN_QUERIES) the tiled prefill path rounds otherwise, and greedy output could move at a near-tie.
+MAX_VERIFY_WIDTH = 16
 #: Speculative rounds between two mx.clear_cache() calls (mlx-lm's generate_step clears every 256 tokens).
 CLEAR_CACHE_ROUNDS = 256
 #: Prompts of at least this many tokens get a prefill progress bar in the CLI (when stderr is a terminal).

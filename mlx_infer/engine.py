@@ -31,7 +31,7 @@ from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
 from .kv.observe import QueryTap
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
-from .kv.quant_cache import kv_bytes_per_token, make_quant_cache
+from .kv.quant_cache import exact_prefix, kv_bytes_per_token, make_quant_cache
 from .kv.quant_options import KVQuant, check_head_dims, check_paged_quant, fit_group_size, kv_quant
 from .kv.session import KVRequest, PagedKV, probe_kv_layout, release
 from .loading import ModelSource
@@ -211,10 +211,12 @@ class Engine:
 
     def _cache_for(self, prompt_ids: List[int]):
         """(caches, start): the kept cache trimmed to its common prefix with the prompt (at most all but the
-        prompt's last token), or a fresh cache and 0 when nothing is shared or the kept one cannot trim."""
+        prompt's last token, and where a fresh prefill would hold the same: kv.quant_cache.exact_prefix), or
+        a fresh cache and 0 when nothing is shared or the kept one cannot trim."""
         kept, self._kept = self._kept, None
         if kept is not None:
             start = min(common_prefix(kept.tokens, prompt_ids), len(prompt_ids) - 1)
+            start = exact_prefix(kept.cache, start, len(prompt_ids) - 1)
             extra = len(kept.tokens) - start
             if start > 0 and (extra == 0 or can_trim_prompt_cache(kept.cache)):
                 trim_prompt_cache(kept.cache, extra)

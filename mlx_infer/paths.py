@@ -84,7 +84,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optional[Callable[[dict], bool]] = None,
-                say: Optional[Callable[[str], None]] = None, message: str = "") -> dict:
+                say: Optional[Callable[[str], None]] = None, message: str = "",
+                stale: str = "the cached one no longer fits") -> dict:
     """A JSON object computed once and kept under `cache_dir()/kind/<hash of ident>.json`.
 
     Args:
@@ -92,23 +93,31 @@ def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optio
         ident: what the result depends on (model fingerprint, backend, ...); hashed into the file name.
         compute: () -> dict, run when no valid cached object exists.
         valid: (dict) -> bool, whether a cached object can be used (default: any that parses).
-        say: called with `message` (plus where it is cached) before computing; not when cached.
+        say: called with `message` (plus where it is cached, or why it is computed again: `stale`, when a
+            cached object fails `valid`) before computing; not when cached.
 
     Returns:
         The cached or newly computed dict. Written atomically (a crash or a concurrent writer never
-        leaves half a file); when it cannot be written, one warning and the computed dict.
+        leaves half a file); when it cannot be written, one line (`say`'s, else a warning once per
+        process and folder) and the computed dict.
     """
     path = cache_dir() / kind / f"{hashlib.sha256(ident.encode()).hexdigest()[:KEY_DIGITS]}.json"
+    rejected = False
     if path.is_file():
         try:
             data = json.loads(path.read_text())
             if isinstance(data, dict) and (valid is None or valid(data)):
                 return data
+            rejected = True
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or from an older version: compute again
+    unwritable = write_error(path.parent)
     if say:
-        say(f"{message} (once; cached in {path.parent})" if write_error(path.parent) is None
-            else f"{message} (not cached: {path.parent} cannot be written)")
+        if unwritable is not None:
+            _warned.add(str(path.parent))  # said here; no warning besides
+            say(f"{message} (not cached: {path.parent} cannot be written)")
+        else:
+            say(f"{message} ({f'again: {stale}' if rejected else 'once'}; cached in {path.parent})")
     data = compute()
     try:
         write_atomic(path, json.dumps(data))

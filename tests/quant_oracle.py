@@ -1,5 +1,6 @@
 """Oracles of quantized K/V rows for the tests: MLX's affine round trip of each row, optionally in the
-Hadamard basis (built here in NumPy, independently of mlx_infer/kv/rotation.py)."""
+Hadamard basis (the matrix built here in NumPy and the rotation done by MLX's primitive, independently of
+mlx_infer/kv/rotation.py)."""
 
 import mlx.core as mx
 import numpy as np
@@ -13,26 +14,17 @@ def sylvester(n):
     return mx.array((h / np.sqrt(n)).astype(np.float32))
 
 
-def in_groups(x, h):
-    """Each group of h.shape[0] values along x's last axis times h."""
-    g = h.shape[0]
-    return (x.reshape(*x.shape[:-1], -1, g) @ h).reshape(x.shape)
-
-
-def round_trip(x, bits, gs=64, rotated=False, chunks=None):
+def round_trip(x, bits, gs=64, rotated=False):
     """MLX's affine round trip of rows x [..., dim] as float32: float16, mx.quantize (float16 scales and
     biases), mx.dequantize with them in float32; rotated: each group of gs values multiplied by the
-    Hadamard matrix before quantizing and after dequantizing (the matrix is its own inverse).
+    Hadamard matrix before quantizing and after dequantizing (the matrix is its own inverse), by MLX's fast
+    Walsh-Hadamard transform, which computes each row alone (a float32 matmul by the matrix rounds a row
+    differently by the product's shape under OpenBLAS, which can move a value across a quantization step)."""
+    def rotate(a):
+        return mx.hadamard_transform(a.reshape(*a.shape[:-1], -1, gs), scale=gs ** -0.5).reshape(a.shape)
 
-    chunks: (start, stop) ranges along axis -2 rotated one product each before quantizing, as a cache fed
-    those chunks rotates them (a float32 product's last bit can depend on its shape: OpenBLAS's Haswell
-    kernels round some rows of a 100-row product unlike the same rows of a 300-row one, which moves a
-    value across a quantization step); None: one product."""
-    h = sylvester(gs) if rotated else None
     if rotated:
-        x = x.astype(mx.float32)
-        parts = [x[..., a:b, :] for a, b in chunks] if chunks else [x]
-        x = mx.concatenate([in_groups(p, h) for p in parts], axis=-2)
+        x = rotate(x.astype(mx.float32))
     w, s, b = mx.quantize(x.astype(mx.float16), group_size=gs, bits=bits)
     y = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
-    return in_groups(y, h) if rotated else y
+    return rotate(y) if rotated else y

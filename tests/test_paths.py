@@ -72,8 +72,11 @@ def test_computed_once_then_read(cache):
 def test_invalid_cached_object_is_computed_again(cache):
     paths.cached_json("cost", "k", Counter({"version": 1}))
     compute = Counter({"version": 2})
-    data = paths.cached_json("cost", "k", compute, valid=lambda d: d["version"] == 2)
+    said = []
+    data = paths.cached_json("cost", "k", compute, valid=lambda d: d["version"] == 2, say=said.append,
+                             message="measuring", stale="the cached one is old")
     assert data == {"version": 2} and compute.calls == 1
+    assert said == [f"measuring (again: the cached one is old; cached in {cache / 'cost'})"]
     assert paths.cached_json("cost", "k", Counter({"version": 3}), valid=lambda d: d["version"] == 2) == data
 
 
@@ -82,19 +85,24 @@ def test_cache_dir_does_not_fail_where_it_cannot_be_created(unwritable_cache):
     assert not unwritable_cache.exists()
 
 
-def test_unwritable_cache_warns_once_and_returns_the_result(unwritable_cache):
+def test_unwritable_cache_says_it_once_and_returns_the_result(unwritable_cache):
+    """With `say`, its one line tells the folder cannot be written (no warning besides); without, one
+    warning per folder."""
     compute = Counter({"skip": [3, 5]})
     said = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert paths.cached_json("layerskip", "m", compute, say=said.append, message="measuring") == {"skip": [3, 5]}
         assert paths.cached_json("layerskip", "m", compute) == {"skip": [3, 5]}
-    assert compute.calls == 2  # not cached, computed each time
+        assert caught == []
+        assert paths.cached_json("prior", "m", compute) == {"skip": [3, 5]}
+        assert paths.cached_json("prior", "n", compute) == {"skip": [3, 5]}
+    assert compute.calls == 4  # not cached, computed each time
     assert said == [f"measuring (not cached: {unwritable_cache / 'layerskip'} cannot be written)"]
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
     assert "\n" not in messages[0]
-    assert str(unwritable_cache / "layerskip") in messages[0] and "not cached" in messages[0]
+    assert str(unwritable_cache / "prior") in messages[0] and "not cached" in messages[0]
 
 
 def test_read_only_populated_cache_is_used_without_writing(cache, monkeypatch):

@@ -23,8 +23,10 @@ from .gpu_attention import ATTN_GPU_MAX_ROWS, ATTN_HEAD_DIMS, cuda_quant_attenti
 from .gpu_qmm import cuda_available, metal_available
 from .prefill_attention import PREFILL_MIN_QUERIES, prefill_attention
 
-#: Most query rows per KV head the CPU kernel takes (n_rep * L: GQA group times verify width); more
-#: rows (prefill) run the reference in row chunks.
+#: Most query rows per KV head the CPU kernel takes (n_rep * L: GQA group times verify width) for any
+#: number of positions; fewer than PREFILL_MIN_QUERIES positions (decode and verify widths) always run on
+#: it, whatever their rows, so that a verify row is computed as a one-token step's; more rows of a prefill
+#: chunk run the tiled prefill path, of anything else the reference in row chunks.
 ATTN_MAX_ROWS = 64
 #: Query rows per chunk of the reference path (bounds its score matrix to [n_kv, rows, S]).
 REFERENCE_ROW_CHUNK = 256
@@ -101,9 +103,10 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
         group_size: quantization group along head_dim (32, 64 or 128).
 
     Returns:
-        [n_kv, R, Dv] in q's dtype, accumulated in float32: the kernel for up to ATTN_MAX_ROWS rows (GPU:
-        ATTN_GPU_MAX_ROWS), on the CPU a prefill chunk (positions >= PREFILL_MIN_QUERIES) on the tiled
-        prefill attention over the dequantized K/V, else the reference.
+        [n_kv, R, Dv] in q's dtype, accumulated in float32: the kernel for up to ATTN_MAX_ROWS rows or
+        fewer than PREFILL_MIN_QUERIES positions (GPU: ATTN_GPU_MAX_ROWS rows), on the CPU a prefill
+        chunk (positions >= PREFILL_MIN_QUERIES) on the tiled prefill attention over the dequantized K/V,
+        else the reference.
 
     Raises:
         ValueError: shapes that do not agree, or bits / group sizes other than 4 / 8 and 32 / 64 / 128.
@@ -121,7 +124,7 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
         if fits:
             run = metal_quant_attention if backend == "metal" else cuda_quant_attention
             return run(q, keys, values, length, scale, positions, group_size)
-    elif backend != "reference" and q.shape[1] <= ATTN_MAX_ROWS:
+    elif backend != "reference" and (q.shape[1] <= ATTN_MAX_ROWS or positions < PREFILL_MIN_QUERIES):
         return cpu.cpu_quant_attention(q, keys, values, length, scale, positions, group_size, k_bits, v_bits)
     elif backend != "reference" and positions >= PREFILL_MIN_QUERIES:  # a prefill chunk: tiled, dequantized K/V
         n_kv, R, _ = q.shape

@@ -255,9 +255,32 @@ class QuantKVCache:
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
+    def exact_prefix(self, n: int, length: int) -> int:
+        """The most of the first n tokens this layer can be trimmed back to such that prefilling the rest of
+        a request's first `length` tokens (length >= n) leaves it as a fresh prefill of them would (up to float
+        rounding): the packed tokens must be the ones a fresh prefill packs (the affine scheme: all or, up to
+        quant.start, none; KIVI: the whole chunks of group_size tokens before the last kv_residual), and a
+        packed KIVI chunk cannot give back the float values a fresh prefill keeps in its window."""
+        packed_fresh = self._packed_after(length)
+        if self.quant.scheme != "kivi":  # one row per token: only whether rows are packed at all matters
+            return n if self.n_quantized == 0 or packed_fresh > 0 else 0
+        if n >= self.n_quantized and self.n_quantized <= packed_fresh:
+            return n  # the trim drops float tokens only, and what is packed stays packed
+        return min(n // self.quant.group_size * self.quant.group_size, packed_fresh)
+
+    def _packed_after(self, length: int) -> int:
+        """Tokens packed after a fresh prefill of `length` tokens (in any chunks)."""
+        if length <= self.quant.start:
+            return 0
+        if self.quant.scheme != "kivi":
+            return length
+        g = self.quant.group_size
+        return max(0, length - self.quant.residual) // g * g
+
     def trim(self, n: int) -> int:
         """Drop the last n tokens (at most all); packed KIVI key chunks reached by the trim are dequantized
-        back into the float window first. Returns the tokens dropped."""
+        back into the float window first (lossy: a kept cache is trimmed to `exact_prefix` instead).
+        Returns the tokens dropped."""
         n = min(self.offset, n)
         if n > self.recent.offset and self.quant.scheme == "kivi":
             g = self.quant.group_size
@@ -298,6 +321,13 @@ class QuantKVCache:
         packed = n_kv * (k_dim * q.k_bits / 8 + v_dim * q.v_bits / 8 + (k_dim + v_dim) * sb / q.group_size)
         dense = n_kv * (k_dim + v_dim) * self.dtype.size
         return (packed * self.n_quantized + dense * self.recent.offset) / max(1, self.offset)
+
+
+def exact_prefix(cache: list, n: int, length: int) -> int:
+    """The most of the first n tokens a request's per-layer caches can be trimmed back to so that prefilling
+    the rest of its first `length` tokens leaves them as a fresh prefill would (QuantKVCache.exact_prefix;
+    every other cache: n)."""
+    return min([n] + [c.exact_prefix(n, length) for c in cache if isinstance(c, QuantKVCache)])
 
 
 def kv_bytes_per_token(cache: list) -> float:

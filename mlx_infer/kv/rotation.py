@@ -37,6 +37,11 @@ def rotate(x: mx.array, group_size: int) -> mx.array:
     """x [..., D] with each group of `group_size` consecutive values along the last axis multiplied by
     hadamard(group_size), computed in float32 and returned in x's dtype. Its own inverse.
 
+    Runs MLX's fast Walsh-Hadamard transform, which computes every row by the same butterflies whatever
+    the number of rows, so a token's rotated key is bit-identical in a one-token decode step and in a
+    verify forward of several tokens (speculative decoding stays lossless over 4-bit KV). A float32
+    matmul by hadamard(group_size) is not: OpenBLAS rounds a row differently with M = 3 than M = 9.
+
     Raises:
         ValueError: D is not a multiple of group_size, or group_size is not a power of two.
     """
@@ -44,7 +49,9 @@ def rotate(x: mx.array, group_size: int) -> mx.array:
     if D % group_size:
         raise ValueError(f"rotate: last axis {D} is not a multiple of the group size {group_size}")
     g = x.astype(mx.float32).reshape(*x.shape[:-1], D // group_size, group_size)  # [..., D / g, g]
-    return (g @ hadamard(group_size)).reshape(x.shape).astype(x.dtype)
+    if group_size & (group_size - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {group_size}")
+    return mx.hadamard_transform(g, scale=group_size ** -0.5).reshape(x.shape).astype(x.dtype)
 
 
 def keys_basis(x: mx.array, quant) -> mx.array:

@@ -4,6 +4,7 @@ Downloads honour HF_HOME and HF_HUB_OFFLINE as huggingface_hub does. Offline and
 clear error naming the repo.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -31,12 +32,19 @@ def local_model_dir(path: Path) -> Path:
     """Check that `path` is an MLX / HF model directory.
 
     Raises:
-        ModelNotFoundError: missing directory or no config.json / safetensors in it.
+        ModelNotFoundError: missing directory, no config.json / safetensors in it, or a config.json that
+            is not a JSON object.
     """
     if not path.is_dir():
         raise ModelNotFoundError(f"no model at {path}; give a .gguf file, an MLX model directory or a Hugging Face repo id")
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json; it is not an MLX / Hugging Face model directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelNotFoundError(f"{path / 'config.json'} cannot be read as JSON ({e}); fix or replace it") from e
+    if not isinstance(config, dict):
+        raise ModelNotFoundError(f"{path / 'config.json'} is not a JSON object; fix or replace it")
     if not any(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"{path} has no .safetensors weights; convert the checkpoint with mlx_lm.convert first")
     return path

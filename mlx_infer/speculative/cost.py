@@ -156,5 +156,6 @@ def cost_curve(target: Target, max_width: int, say: Optional[Callable[[str], Non
         lambda: _measure_consistent(target, max_width),
         valid=lambda d: consistent(d, max_width),
         say=say, message="measuring this model's verify cost by width",
+        stale="the cached curve is too narrow, or was timed while the machine was busy",
     )
     return CostCurve({int(k): float(v) for k, v in data["seconds"].items()}, float(data["plain_step"]))

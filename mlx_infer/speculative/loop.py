@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
-from ..defaults import CLEAR_CACHE_ROUNDS, PREFILL_STEP_SIZE
+from ..defaults import CLEAR_CACHE_ROUNDS, MAX_VERIFY_WIDTH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
 from ..generation.decode import decode_stream
 from ..generation.sampling import SamplingParams, build_logits_processors
@@ -252,7 +252,7 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: Dra
             (n_arr, nxt_arr, rows), ahead = ahead, None
             t1 = t0
         else:
-            gamma = max(0, min(int(policy.gamma()), max_tokens - produced - 1))
+            gamma = max(0, min(int(policy.gamma()), max_tokens - produced - 1, MAX_VERIFY_WIDTH - 1))
             draft = drafter.propose(history, gamma, policy.worth) if gamma > 0 else None
             tokens = list(draft.tokens[:gamma]) if draft else []
             if tokens:  # a free drafter proposed the most; keep what pays

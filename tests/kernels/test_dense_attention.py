@@ -104,25 +104,29 @@ def kernel_engine(default_gguf):
     return engine
 
 
-@pytest.mark.parametrize("kind", ["dense", "8-bit", "paged"])
+@pytest.mark.parametrize("kind", ["dense", "8-bit", "4-bit", "paged"])
 def test_verify_rows_equal_decode_steps(cpu_kernels, kernel_engine, kind):
     """On the kernel path a verify forward's rows are bit-identical to decoding the same tokens one by one
-    (what makes speculative decoding exactly lossless): the attention kernels split the sequence at fixed
-    multiples of 256 keys and keep each key's place in their sums, and the quantized matmul computes each
-    row alone. Over 700 cached tokens (three splits)."""
+    (what makes speculative decoding exactly lossless), up to the widest verify the loop runs
+    (MAX_VERIFY_WIDTH): the attention kernels split the sequence at fixed multiples of 256 keys and keep
+    each key's place in their sums, the quantized matmul computes each row alone, and so does the Hadamard
+    rotation of 4-bit K/V. Over 700 cached tokens (three splits)."""
+    from mlx_infer.defaults import MAX_VERIFY_WIDTH
     from mlx_infer.kv.quant_cache import make_quant_cache
     from mlx_infer.kv.quant_options import kv_quant
 
     model = kernel_engine.model
-    ids = kernel_engine.encode("A verify forward must see what decoding sees. " * 100)[:708]
-    assert len(ids) == 708
+    W = MAX_VERIFY_WIDTH
+    ids = kernel_engine.encode("A verify forward must see what decoding sees. " * 100)[:700 + W]
+    assert len(ids) == 700 + W
     make = {"dense": lambda: make_prompt_cache(model),
             "8-bit": lambda: make_quant_cache(model, kv_quant("8")),
+            "4-bit": lambda: make_quant_cache(model, kv_quant("4")),
             "paged": lambda: make_paged_cache(model, make_pool(model, block_size=16))}[kind]
     stepped, verified = make(), make()
     for cache in (stepped, verified):
         model(mx.array(ids[:700])[None], cache=cache)
-    steps = [model(mx.array([[t]]), cache=stepped)[0, -1] for t in ids[700:708]]  # 8 x [V]
-    verify = model(mx.array([ids[700:708]]), cache=verified)[0]  # [8, V]
+    steps = [model(mx.array([[t]]), cache=stepped)[0, -1] for t in ids[700:]]  # W x [V]
+    verify = model(mx.array([ids[700:]]), cache=verified)[0]  # [W, V]
     for i, row in enumerate(steps):
         assert np.array_equal(np.array(row), np.array(verify[i])), f"row {i} differs ({kind})"

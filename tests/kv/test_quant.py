@@ -81,7 +81,7 @@ def test_affine_cache_returns_each_token_round_tripped(bits, rotate):
         keys, values = cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
     assert cache.offset == 300 and cache.n_quantized == 300
     for got, x, b in ((keys, k, bits[0]), (values, v, bits[1])):
-        want = round_trip(x, b, rotated=rotate, chunks=chunks)
+        want = round_trip(x, b, rotated=rotate)
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
 
 
@@ -104,6 +104,20 @@ def test_rotation_is_orthogonal_and_spreads_an_outlier_channel():
         keys, _ = cache.update_and_fetch(k, k)
         err[rotate] = np.abs(np.array(q @ keys.swapaxes(-1, -2)) - exact).mean()
     assert err[True] < 0.5 * err[False], err
+
+
+def test_rotation_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """A token's rotated float32 key is bit-identical whether it is rotated alone (a decode step: n_kv rows)
+    or with the other tokens of a verify forward (n_kv x L rows), and so are query rows: speculative
+    decoding over 4-bit rotated KV must write and read the same codes as plain decoding. (A float32 matmul
+    by hadamard(64) failed this under OpenBLAS from L = 2.)"""
+    for shape in ((3, 12, 64), (1, 3, 12, 128)):
+        x = mx.random.normal(shape, key=mx.random.key(11)) * 3.0
+        whole = np.array(rotation.rotate(x, 64))
+        for i in range(12):
+            alone = rotation.rotate(x[..., i:i + 1, :], 64)
+            np.testing.assert_array_equal(np.array(alone), whole[..., i:i + 1, :])
+    np.testing.assert_allclose(whole, np.array(x) @ np.kron(np.eye(2), np.array(sylvester(64))), atol=1e-5)
 
 
 def test_kivi_quantizes_keys_per_channel_and_keeps_the_recent_tokens_in_float():
@@ -153,6 +167,34 @@ def test_trim_drops_the_last_tokens_and_keeps_the_rest(quant):
     np.testing.assert_array_equal(np.array(keys[:, :, :87]), before_k[:, :, :87])
     np.testing.assert_array_equal(np.array(values[:, :, :87]), before_v[:, :, :87])
     assert cache.trim(1000) == 88 and cache.offset == 0
+
+
+def test_exact_prefix_gives_back_what_a_fresh_prefill_holds():
+    """A kept cache trimmed to exact_prefix(n, length) and then given the rest of `length` tokens holds the
+    very K/V of a fresh cache given those tokens: KIVI (groups of 32, residual 32) after 130 tokens packs
+    96, where a fresh prefill of 110 packs 64, so the trim goes back to 64 (to 100, as before, it would
+    hold 32 tokens of dequantized keys where the fresh cache holds floats). The affine scheme with a float
+    prefix (start 100) gives back nothing for a request that stays under it."""
+    kivi = kv_quant("4", "kivi", kv_group_size=32, kv_residual=32)
+    k, v = kv(130, 5)
+    kept = QuantKVCache(kivi)
+    for a in range(0, 130, 13):
+        kept.update_and_fetch(k[:, :, a:a + 13], v[:, :, a:a + 13])
+    assert kept.n_quantized == 96
+    assert (kept.exact_prefix(120, 200), kept.exact_prefix(120, 100), kept.exact_prefix(50, 200)) == (120, 64, 32)
+    n = kept.exact_prefix(100, 110)
+    assert n == 64
+    kept.trim(130 - n)
+    got = kept.update_and_fetch(k[:, :, n:110], v[:, :, n:110])
+    fresh = QuantKVCache(kivi)
+    fresh.update_and_fetch(k[:, :, :55], v[:, :, :55])
+    want = fresh.update_and_fetch(k[:, :, 55:110], v[:, :, 55:110])
+    assert kept.n_quantized == fresh.n_quantized == 64
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    late = QuantKVCache(kv_quant("8", kv_quant_start=100))
+    late.update_and_fetch(k[:, :, :120], v[:, :, :120])
+    assert late.n_quantized == 120 and late.exact_prefix(60, 90) == 0 and late.exact_prefix(60, 150) == 60
 
 
 @pytest.mark.parametrize("arch", list(MODEL_TYPES))
@@ -266,9 +308,10 @@ def test_engine_stats_and_lossless_speculation(engine):
     assert engine.generate("Hi", max_tokens=2).stats.kv_bytes_per_token == 30 * 3 * 64 * 2 * 4  # float32 KV
 
 
-def test_kept_cache_continues_a_chat(engine):
+@pytest.mark.parametrize("options", [{"kv_bits": "8"}, {"kv_bits": "4", "kv_scheme": "kivi"}], ids=str)
+def test_kept_cache_continues_a_chat(engine, options):
     """A next turn prefills only its new tokens on the kept quantized cache and answers as a fresh run."""
-    engine.configure_kv(kv_bits="8")
+    engine.configure_kv(**options)
     try:
         first = [{"role": "user", "content": "Name a fruit that is red."}]
         r1 = engine.generate(first, max_tokens=12)
@@ -278,6 +321,24 @@ def test_kept_cache_continues_a_chat(engine):
         engine.reset()
         fresh = engine.generate(turn, max_tokens=12)
         assert fresh.stats.cached_prompt_tokens == 0 and fresh.token_ids == r2.token_ids
+    finally:
+        engine.configure_kv()
+
+
+def test_kivi_request_after_a_longer_one_answers_as_a_fresh_one(engine):
+    """The same 89-token prompt again: the kept KIVI cache (64 tokens packed after the first answer) is not
+    trimmed into its packed chunks, where a fresh prefill keeps floats; the tokens are the fresh run's (the
+    kept cache trimmed to 88 tokens answered differently from token 19 on)."""
+    prompt = ("Fix the spelling mistakes in this text and return the whole corrected text:\n\nThe comittee met on "
+              "tuesday to discus the new budjet. Every member agreed that the libary needs more funding, and the "
+              "chairman promised to adress the isue at the next meeting.")
+    engine.configure_kv(kv_bits="4", kv_scheme="kivi")
+    try:
+        engine.reset()
+        fresh = engine.generate(prompt, max_tokens=48).token_ids
+        again = engine.generate(prompt, max_tokens=48)
+        spec = engine.generate(prompt, max_tokens=48, speculative="lookup", max_draft=2)
+        assert again.token_ids == fresh and spec.token_ids == fresh
     finally:
         engine.configure_kv()
 

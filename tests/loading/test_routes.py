@@ -52,6 +52,16 @@ def test_directory_without_weights(tmp_path):
         mlx_infer.load(str(tmp_path))
 
 
+def test_directory_with_a_broken_config(tmp_path):
+    """A config.json that is not JSON, or not an object, is named as such (it used to surface as an
+    internal JSONDecodeError from mlx-lm, or as missing weights)."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for text, says in (("{not json", "cannot be read as JSON"), ("[1, 2]", "is not a JSON object")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ModelNotFoundError, match=f"config.json {says}"):
+            mlx_infer.load(str(tmp_path))
+
+
 def _fake_hub(hf_home: Path, repo_id: str, src: Path, rev: str = "0123456789abcdef0123456789abcdef01234567"):
     """The huggingface_hub cache layout: hub/models--org--name/{refs/main, snapshots/REV/...}."""
     repo_dir = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))

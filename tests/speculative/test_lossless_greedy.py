@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from mlx_infer.defaults import MAX_VERIFY_WIDTH
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, SpecStats, speculative_tokens
@@ -69,6 +70,17 @@ def test_greedy_identical_with_repetition_penalty(target, weak_drafter_model):
         for drafter in (LookupDrafter(), DraftModelDrafter(target)):
             out = list(speculative_tokens(target, prompt, params, MAX_TOKENS, drafter, 4))
             assert out == base, (drafter.name, prompt)
+
+
+def test_verify_width_is_capped(target):
+    """max_draft 40 with the target drafting for itself (every draft accepted): no round verifies more than
+    MAX_VERIFY_WIDTH positions (wider forwards would leave the decode kernels' row-by-row computation), and
+    the tokens are plain decoding's."""
+    stats = SpecStats()
+    prompt = PROMPTS[5]
+    out = list(speculative_tokens(target, prompt, SamplingParams(), 40, DraftModelDrafter(target), 40, stats))
+    assert out == list(plain_tokens(target, prompt, SamplingParams(), 40))
+    assert len(stats.proposed) == MAX_VERIFY_WIDTH - 1 and stats.rounds == -(-40 // MAX_VERIFY_WIDTH)
 
 
 def test_lookup_proposes_on_copy_heavy(target):
