@@ -79,7 +79,7 @@ DraftModelOpt = Annotated[Optional[str], typer.Option(
 MaxDraftOpt = Annotated[str, typer.Option(
     "--max-draft", metavar="auto|N", rich_help_panel=SPEC,
     help="Draft tokens per round: auto (chosen each round from measured costs and acceptance) or a fixed N "
-         "(at most 15 are verified per round).")]
+         "(0: plain decoding; at most 15 are verified per round).")]
 #: The KV flags are plain strings checked by kv_kwargs (one `error:` line for a bad value, not typer's box).
 KVCacheOpt = Annotated[str, typer.Option(
     "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV,

@@ -59,6 +59,16 @@ class KeptCache:
     tokens: List[int]
 
 
+def _check_unicode(text: str) -> None:
+    """Raise MlxInferError for text the tokenizer cannot take: a lone surrogate, which is how Python keeps
+    bytes that are not UTF-8 (a command-line argument or stdin in another encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MlxInferError(f"the prompt is not valid UTF-8 text (an undecodable byte at character {e.start}); "
+                            "convert it to UTF-8 first (e.g. with iconv)") from None
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = 0
@@ -275,10 +285,12 @@ class Engine:
             chat_template: apply the model's chat template to a string prompt (when it has one).
 
         Raises:
-            MlxInferError: empty prompt, bad messages, token ids outside the vocabulary, or a system prompt
-                without a chat template.
+            MlxInferError: empty prompt, bad messages, text that is not valid Unicode (bytes that were not
+                UTF-8, kept by Python as lone surrogates), token ids outside the vocabulary, or a system
+                prompt without a chat template.
         """
         if isinstance(prompt, str):
+            _check_unicode(prompt)
             if not prompt.strip():
                 raise MlxInferError("the prompt is empty; give some text")
             if not (chat_template and self.tokenizer.has_chat_template):
@@ -294,6 +306,9 @@ class Engine:
         for m in prompt:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise MlxInferError("each chat message must be a dict with 'role' and 'content' (a string)")
+            _check_unicode(m["content"])
+        if system:
+            _check_unicode(system)
         if not self.tokenizer.has_chat_template:
             raise MlxInferError("this model has no chat template; pass a plain string prompt")
         if system:

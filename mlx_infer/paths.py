@@ -18,6 +18,8 @@ from .errors import ModelNotFoundError
 #: Hex digits of the sha256 kept in cache file names and model fingerprints.
 KEY_DIGITS = 16
 
+#: The environment variable that names the cache directory.
+CACHE_ENV = "MLX_INFER_CACHE"
 #: Cache folders already warned about in this process (one warning line each).
 _warned: Set[str] = set()
 
@@ -26,7 +28,7 @@ def cache_dir() -> Path:
     """The user cache directory: `$MLX_INFER_CACHE`, else `$XDG_CACHE_HOME/mlx-infer`, else
     `~/.cache/mlx-infer`. Created on first use when it can be; returned even when it cannot
     (read-only location), for reading what is there."""
-    env = os.environ.get("MLX_INFER_CACHE")
+    env = os.environ.get(CACHE_ENV)
     if env:
         path = Path(env)
     else:
@@ -51,7 +53,8 @@ def warn_not_cached(folder: Path, error: OSError, consequence: str = "results ar
         return
     _warned.add(str(folder))
     reason = error.strerror or type(error).__name__
-    warnings.warn(f"cannot write the cache folder {folder} ({reason}); {consequence}", stacklevel=3)
+    warnings.warn(f"cannot write the cache folder {folder} ({reason}); {consequence} "
+                  f"(set {CACHE_ENV} to a writable folder)", stacklevel=3)
 
 
 def write_error(folder: Path) -> Optional[OSError]:

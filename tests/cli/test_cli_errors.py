@@ -3,8 +3,11 @@
 Each case fails before a model is loaded (fast), except the prompt that overflows the context.
 """
 
+import os
+import subprocess
+
 import pytest
-from cli_helpers import assert_user_error, cli_env
+from cli_helpers import TIMEOUT_S, assert_user_error, cli_env
 
 
 def test_missing_gguf_file(run_cli, tmp_path):
@@ -97,6 +100,19 @@ def test_prompt_longer_than_the_context_window(run_cli):
     proc = run_cli("generate", "-", "-n", "4", input="word " * 9000)
     line = assert_user_error(proc, "context window")
     assert "8192" in line
+
+
+def test_prompt_that_is_not_utf8_is_a_one_line_error(run_cli, mlx_infer_bin):
+    """Bytes that are not UTF-8 (a Latin-1 argument, or stdin) reach Python as lone surrogates, which the
+    tokenizer refuses with a TypeError: one line instead. In chat the session goes on to the next line."""
+    latin1 = os.fsdecode(b"caf\xe9 au lait")
+    assert run_cli("generate", "hi", "-n", "1", "--spec", "off").returncode == 0  # the model converted once
+    assert_user_error(run_cli("generate", latin1, "-n", "2", "--spec", "off"), "not valid UTF-8")
+    proc = subprocess.run([mlx_infer_bin, "chat", "-n", "3", "--spec", "off"], input=b"caf\xe9\nName a fruit.\n",
+                          capture_output=True, env=cli_env(), timeout=TIMEOUT_S)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0 and "not valid UTF-8" in err and "Traceback" not in err
+    assert proc.stdout.strip()  # the second line was answered
 
 
 def test_unknown_spec_mode_is_a_one_line_error(run_cli):
