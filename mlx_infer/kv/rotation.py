@@ -13,44 +13,28 @@ same bytes. At 8 bits the codes already keep the large channels (KL about 0.0002
 is within the noise of perplexity and recall, so by default only 4-bit stores are rotated.
 """
 
-from functools import lru_cache
-
 import mlx.core as mx
 
 
-@lru_cache(maxsize=None)
-def hadamard(n: int) -> mx.array:
-    """The normalized Sylvester Hadamard matrix [n, n] float32 (symmetric, orthogonal: H @ H = I).
-
-    Raises:
-        ValueError: n is not a power of two.
-    """
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
-    h = mx.array([[1.0]])
-    while h.shape[0] < n:
-        h = mx.concatenate([mx.concatenate([h, h], axis=1), mx.concatenate([h, -h], axis=1)], axis=0)
-    return h * (n ** -0.5)
-
-
 def rotate(x: mx.array, group_size: int) -> mx.array:
-    """x [..., D] with each group of `group_size` consecutive values along the last axis multiplied by
-    hadamard(group_size), computed in float32 and returned in x's dtype. Its own inverse.
+    """x [..., D] with each group of `group_size` consecutive values along the last axis multiplied by the
+    normalized Sylvester Hadamard matrix H [group_size, group_size] (symmetric, orthogonal: H H = I),
+    computed in float32 and returned in x's dtype. Its own inverse.
 
     Runs MLX's fast Walsh-Hadamard transform, which computes every row by the same butterflies whatever
     the number of rows, so a token's rotated key is bit-identical in a one-token decode step and in a
     verify forward of several tokens (speculative decoding stays lossless over 4-bit KV). A float32
-    matmul by hadamard(group_size) is not: OpenBLAS rounds a row differently with M = 3 than M = 9.
+    matmul by H is not: OpenBLAS rounds a row differently with M = 3 than M = 9.
 
     Raises:
         ValueError: D is not a multiple of group_size, or group_size is not a power of two.
     """
     D = x.shape[-1]
+    if group_size < 1 or group_size & (group_size - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {group_size}")
     if D % group_size:
         raise ValueError(f"rotate: last axis {D} is not a multiple of the group size {group_size}")
     g = x.astype(mx.float32).reshape(*x.shape[:-1], D // group_size, group_size)  # [..., D / g, g]
-    if group_size & (group_size - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {group_size}")
     return mx.hadamard_transform(g, scale=group_size ** -0.5).reshape(x.shape).astype(x.dtype)
 
 

@@ -86,12 +86,12 @@ def test_affine_cache_returns_each_token_round_tripped(bits, rotate):
 
 
 def test_rotation_is_orthogonal_and_spreads_an_outlier_channel():
-    """hadamard(n) is the Sylvester matrix and H H = I (rotate is its own inverse); with one key channel
+    """rotate multiplies by the Sylvester matrix H, and H H = I (rotate is its own inverse); with one key channel
     40x the others, 4-bit scores q k^T through the rotated cache are closer to the float scores than
     through plain per-token groups, where the outlier sets every group's scale."""
     for n in (32, 64, 128, 256):
-        h = np.array(rotation.hadamard(n))
-        np.testing.assert_array_equal(h, np.array(sylvester(n)))
+        h = np.array(rotation.rotate(mx.eye(n), n))  # the rows of the identity, rotated: H itself
+        np.testing.assert_allclose(h, np.array(sylvester(n)), rtol=0, atol=1e-7)
         np.testing.assert_allclose(h @ h, np.eye(n), atol=1e-6)
     x = mx.random.normal((3, 50, 128), key=mx.random.key(2))
     np.testing.assert_allclose(np.array(rotation.rotate(rotation.rotate(x, 64), 64)), np.array(x), atol=1e-5)
@@ -110,7 +110,7 @@ def test_rotation_of_a_row_does_not_depend_on_the_rows_beside_it():
     """A token's rotated float32 key is bit-identical whether it is rotated alone (a decode step: n_kv rows)
     or with the other tokens of a verify forward (n_kv x L rows), and so are query rows: speculative
     decoding over 4-bit rotated KV must write and read the same codes as plain decoding. (A float32 matmul
-    by hadamard(64) failed this under OpenBLAS from L = 2.)"""
+    by the 64 x 64 Hadamard matrix failed this under OpenBLAS from L = 2.)"""
     for shape in ((3, 12, 64), (1, 3, 12, 128)):
         x = mx.random.normal(shape, key=mx.random.key(11)) * 3.0
         whole = np.array(rotation.rotate(x, 64))
