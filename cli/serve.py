@@ -95,10 +95,10 @@ def serve(
     max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1,
                                                   help="Most tokens one request may ask for.")] = MAX_TOKENS_LIMIT,
     spec: Annotated[str, typer.Option(
-        "--spec", metavar="|".join(SERVE_MODES),
-        help="Lossless speculative decoding for a request while it is the only one running (batched requests "
-             "decode plainly). Default off: on a CPU, auto measured 0.94-0.96x on math and code prompts "
-             "(docs/serving.md).")] = "off",
+        "--spec", metavar="MODE",
+        help=f"Lossless speculative decoding ({', '.join(SERVE_MODES)}) for a request while it is the only one "
+             "running (batched requests decode plainly). Default off: on a CPU, auto measured 0.94-0.96x on "
+             "math and code prompts (docs/serving.md).")] = "off",
     kv_budget: KVBudgetOpt = None,
     evict: Annotated[Optional[str], typer.Option(
         "--evict", metavar="POLICY:RATIO", rich_help_panel=KV_PANEL,
