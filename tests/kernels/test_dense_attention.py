@@ -104,6 +104,17 @@ def kernel_engine(default_gguf):
     return engine
 
 
+def test_the_widest_verify_stays_on_the_decode_kernels():
+    """defaults.MAX_VERIFY_WIDTH is a literal (defaults.py imports nothing): it must stay within the paged /
+    dense decode kernels' positions and under the prefill path's threshold, or verify rows leave the
+    row-by-row computation that makes greedy speculation exact."""
+    from mlx_infer.defaults import MAX_VERIFY_WIDTH
+    from mlx_infer.kernels.paged_attention import PAGED_MAX_QUERIES
+    from mlx_infer.kernels.prefill_attention import PREFILL_MIN_QUERIES
+
+    assert MAX_VERIFY_WIDTH <= PAGED_MAX_QUERIES and MAX_VERIFY_WIDTH < PREFILL_MIN_QUERIES
+
+
 @pytest.mark.parametrize("kind", ["dense", "8-bit", "4-bit", "paged"])
 def test_verify_rows_equal_decode_steps(cpu_kernels, kernel_engine, kind):
     """On the kernel path a verify forward's rows are bit-identical to decoding the same tokens one by one
