@@ -14,7 +14,9 @@ empty). Columns: retained blocks per request, time average over the decode steps
 (the prefill included: eviction starts after it), the most such requests a `--budget` pool holds
 (budget / peak blocks, and budget / max decode blocks: the steady state once the prefills are done),
 greedy agreement with the full cache (fraction of equal tokens position by position, and the length of the
-common prefix) and decode tokens/s. The machine may be shared: tokens/s are indicative only.
+common prefix) and decode tokens/s. The machine may be shared: tokens/s are indicative only. It also plots
+the request's KV blocks in the pool after each decode step (kv-*.png: one panel per policy and ratio, the full
+cache, Naive-Evict and vToken), the curve whose time average is the "mean" column.
 
 --tiny-context N runs the same on a tiny random-weight llama (tests/gguf_factory.py: 2 layers, 2 KV heads of
 16) whose context window is N tokens, for long-context configs the default model (8,192 tokens) cannot
@@ -47,20 +49,61 @@ import mlx_infer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import machine, write_result  # noqa: E402
+from common import machine, pyplot, write_result  # noqa: E402
 from gguf_factory import TinySpec, random_weights, write_gguf  # noqa: E402
 from kv_core import wikitext_ids  # noqa: E402
 
 from mlx_infer.engine import common_prefix  # noqa: E402
+from mlx_infer.generation.results import collect  # noqa: E402
 from mlx_infer.kv.defaults import OBSERVE_PERIOD  # noqa: E402
 from mlx_infer.kv.options import parse_budget  # noqa: E402
 
 
 def run(engine, prompt, tokens, evict=None, repack=True):
+    """(GenerationResult, [the pool's blocks in use after each generated token, that step's eviction and
+    repack included, up to the final step, which comes once the request's blocks are released]) of one
+    request alone on the engine's pool."""
     engine.reset()
-    r = engine.generate(prompt, max_tokens=tokens, evict=evict, repack=repack)
+    pool, series = engine.kv_pool, []
+
+    def steps():
+        for step in engine.stream_steps(prompt, max_tokens=tokens, evict=evict, repack=repack):
+            if step.token is not None and step.finish_reason is None:
+                series.append(pool.blocks_in_use)
+            yield step
+
+    r = collect(steps())
     engine.reset()
-    return r
+    return r, series
+
+
+def plot_series(curves, path, title):
+    """Retained blocks after each decode step, one panel per (policy, ratio): the full cache, Naive-Evict
+    and vToken ({(policy, ratio): {system: [blocks]}}, "full" under every key)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    keys = sorted(curves)
+    policies = sorted({k[0] for k in keys})
+    ratios = sorted({k[1] for k in keys})
+    fig, axes = plt.subplots(len(policies), len(ratios), figsize=(3.6 * len(ratios), 2.8 * len(policies)),
+                             squeeze=False, sharex=True)
+    for (policy, ratio), lines in curves.items():
+        ax = axes[policies.index(policy)][ratios.index(ratio)]
+        for system, style in (("full", ":"), ("naive", "-"), ("vtoken", "-")):
+            ys = lines[system]
+            ax.plot(range(1, len(ys) + 1), ys, style, label={"naive": "Naive-Evict"}.get(system, system))
+        ax.set_title(f"{policy}:{ratio:g}", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("decode step (token)")
+    for row in axes:
+        row[0].set_ylabel("KV blocks retained")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def row(name, ratio, system, r, full, budget_blocks, block_bytes):
@@ -208,7 +251,8 @@ def main():
         result = {"machine": machine(), "command": " ".join(sys.argv), "model": label, "rows": rows}
         print("wrote", write_result("kv-steps", result))
         return
-    full = run(engine, prompt, args.tokens)
+    full, full_series = run(engine, prompt, args.tokens)
+    series = {}
     block_bytes = engine.kv_pool.block_bytes
     budget_blocks = parse_budget(args.budget) // block_bytes
     rows = [row("full", 0.0, "full", full, full, budget_blocks, block_bytes)]
@@ -216,8 +260,9 @@ def main():
     for name in args.policies.split(","):
         for ratio in (float(x) for x in args.ratios.split(",")):
             spec = f"{name}:{ratio:g}"
-            naive = run(engine, prompt, args.tokens, spec, repack=False)
-            packed = run(engine, prompt, args.tokens, spec, repack=True)
+            naive, naive_series = run(engine, prompt, args.tokens, spec, repack=False)
+            packed, packed_series = run(engine, prompt, args.tokens, spec, repack=True)
+            series[(name, ratio)] = {"full": full_series, "naive": naive_series, "vtoken": packed_series}
             if naive.token_ids != packed.token_ids:
                 mismatched.append(spec)
             rows += [row(name, ratio, "naive", naive, full, budget_blocks, block_bytes),
@@ -237,8 +282,12 @@ def main():
     print("Naive-Evict and vToken tokens identical:", "yes" if not mismatched else f"NO for {mismatched}")
     result = {"machine": machine(), "command": " ".join(sys.argv), "model": label, "prompt_tokens": args.prompt,
               "tokens": args.tokens, "budget": args.budget, "budget_blocks": budget_blocks,
-              "block_bytes": block_bytes, "weights": args.weights, "rows": rows, "naive_vtoken_mismatch": mismatched}
-    print("wrote", write_result("kv", result))
+              "block_bytes": block_bytes, "weights": args.weights, "rows": rows, "naive_vtoken_mismatch": mismatched,
+              "blocks_per_step": {f"{p}:{r:g}": v for (p, r), v in series.items()}}
+    path = write_result("kv", result)
+    png = plot_series(series, path.with_suffix(".png"),
+                      f"{label}: KV blocks after each decode step (prompt {args.prompt} tokens, block {args.block_size})")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":
