@@ -12,8 +12,8 @@ Rows (same GGUF, same prompt, greedy, same process):
   mlx-infer (float32)   the float32 CPU path (what weights="auto" picks without the kernel, with OpenBLAS)
   llama.cpp             llama-cpp-python on the same GGUF, when it is installed, with as many threads as
                         this machine has cores (mlx-infer's kernel uses them all)
-Every mlx-infer run starts from an empty KV cache (`reset()`), so TTFT is a whole prefill; llama-cpp-python
-keeps the evaluated prompt between calls, so its TTFT after the first trial is not comparable.
+Every run starts from an empty KV cache (mlx-infer's `reset()`, llama-cpp-python's `reset()`, mlx-lm's
+fresh cache), so TTFT is a whole prefill of the same prompt.
 
 Then the verify cost curve (unless --curve-rounds 0): the seconds of one forward of width w = 1..--max-width
 tokens over a COST_CONTEXT-token cache, all logits computed and read back (what a verify of w - 1 draft
@@ -92,6 +92,7 @@ def llama_cpp_runner(gguf_path, prompt, max_tokens):
 
     def run():
         messages = [{"role": "user", "content": prompt}]
+        llm.reset()  # else it keeps the evaluated prompt and the next TTFT is no prefill
         return time_tokens(llm.create_chat_completion(messages, max_tokens=max_tokens, temperature=0.0, stream=True))
 
     return run

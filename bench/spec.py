@@ -10,6 +10,12 @@ For each prompt set in bench/prompts/ (chat, code, math, copy-heavy editing) and
                          dspark use the drafter registered for the target (models/registry.json)
   mlx-lm speculative     mlx_lm.stream_generate(draft_model=...) with the same draft model
   mlx-dspark lookup      mlx_dspark's lookup_generate, when the package imports
+  plain / lookup (llama.cpp)
+                         llama-cpp-python on the same GGUF (when it is installed and the model is one), every
+                         request a whole prefill of the same token ids: plain decoding, and its prompt-lookup
+                         speculative decoding (LlamaPromptLookupDecoding, its default 10 draft tokens, n-grams
+                         up to 2). llama.cpp computes with int8 activations, so its greedy tokens may differ
+                         from mlx-infer's: its '=' compares its lookup row with its own plain row
 
 Each prompt runs --repeats times per system (interleaved, each repeat starting one system later:
 A B C .., B C .. A, ..) and the fastest run
@@ -151,6 +157,57 @@ def dspark_lookup(engine):
         return {"tokens": toks, "seconds": time.perf_counter() - start, "tau": r.mean_accept_len}
 
     return run
+
+
+#: The llama.cpp rows (greedy identity is checked against their own plain row).
+LLAMA_CPP_PLAIN = "plain (llama.cpp)"
+
+
+def llama_cpp_rows(engine) -> dict:
+    """{name: run} for plain decoding and prompt lookup on llama.cpp (llama-cpp-python), on the engine's
+    GGUF; {} when llama-cpp-python is not installed or the model is not a GGUF."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return {}
+    if engine.source.kind not in ("gguf", "default"):
+        return {}
+    eos = set(engine.tokenizer.eos_token_ids)
+
+    def runner(llm):
+        forwards = [0]
+        evaluate = llm.eval
+
+        def counted(tokens):
+            forwards[0] += 1
+            return evaluate(tokens)
+
+        llm.eval = counted  # generate() calls self.eval once per forward: tau = tokens per forward after prefill
+
+        def run(prompt_ids, temp, max_tokens, seed):
+            llm.reset()  # a whole prefill, as every other row
+            llm.set_seed(seed)
+            forwards[0] = 0
+            start = time.perf_counter()
+            toks, first = [], None
+            for t in llm.generate(list(prompt_ids), temp=temp, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+                first = first or time.perf_counter()
+                if t in eos:
+                    break
+                toks.append(int(t))
+                if len(toks) >= max_tokens:
+                    break
+            return {"tokens": toks, "seconds": time.perf_counter() - start, "first_s": (first or start) - start,
+                    "tau": (len(toks) - 1) / max(1, forwards[0] - 1)}
+
+        return run
+
+    path, threads = str(engine.source.path), os.cpu_count()
+    plain = Llama(model_path=path, n_ctx=4096, n_threads=threads, verbose=False)
+    lookup = Llama(model_path=path, n_ctx=4096, n_threads=threads, verbose=False,
+                   draft_model=LlamaPromptLookupDecoding())
+    return {LLAMA_CPP_PLAIN: runner(plain), "lookup (llama.cpp)": runner(lookup)}
 
 
 # -- --policy: the draft scheduler against fixed draft lengths and against its own A/A twin --
@@ -396,6 +453,7 @@ def main():
     systems["draft (mlx-lm speculative)"] = mlx_lm_spec(engine, draft_engine, 4)
     if (peer := dspark_lookup(engine)) is not None:
         systems["lookup (mlx-dspark)"] = peer
+    systems.update(llama_cpp_rows(engine))
 
     # warm-up: compile, page in, measure cost curves and calibrations once
     warm = engine.encode("Hello")
@@ -410,7 +468,7 @@ def main():
                     for name in systems}
             for i, prompt in enumerate(load_prompts(set_name, args.limit)):
                 prompt_ids = engine.encode(prompt)
-                reference = None
+                reference = {}  # family (llama.cpp or the MLX systems) -> the first greedy tokens seen
                 best = {}  # system -> its fastest run of this prompt
                 names = list(systems)
                 for rep in range(args.repeats):
@@ -419,9 +477,10 @@ def main():
                         if rep and name in PEERS_ONCE:
                             continue
                         out = systems[name](prompt_ids, temp, args.max_tokens, 1000 + i)
-                        if reference is None:
-                            reference = out["tokens"]
-                        elif temp == 0 and out["tokens"] != reference:
+                        family = "llama.cpp" in name
+                        if family not in reference:
+                            reference[family] = out["tokens"]
+                        elif temp == 0 and out["tokens"] != reference[family]:
                             rows[name]["identical"] = False
                         if name not in best or out["seconds"] < best[name]["seconds"]:
                             best[name] = out
@@ -485,7 +544,8 @@ def main():
                 decode = (f" d{r['decode_speedup']:4.2f}x" if r["decode_speedup"] else " " * 7) if greedy else ""
                 cells.append(f"{r['tokens_per_s']:6.1f}{wall} {r['speedup']:4.2f}x{decode} t{r['tau']:4.2f}{same}")
             print(f"{name:<28}" + "".join(f"{c:>{width}}" for c in cells))
-    print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not.\n"
+    print("\ncells: tokens/s, speedup over plain (mlx-infer), tau; '=' greedy output identical to plain, '!' not\n"
+          "(llama.cpp rows: to plain (llama.cpp)).\n"
           "greedy: tokens / wall time, prefill included, then 'd': the speedup of decode tokens/s after the first\n"
           "token (prefill excluded); sampling: decode tokens/s after the first token\n"
           "(sampled answers differ in length), '*' where no first-token time exists (wall time, against plain's)")
