@@ -190,16 +190,17 @@ def llama_cpp_rows(engine) -> dict:
             llm.set_seed(seed)
             forwards[0] = 0
             start = time.perf_counter()
-            toks, first = [], None
+            toks, first, seen = [], None, 0
             for t in llm.generate(list(prompt_ids), temp=temp, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
                 first = first or time.perf_counter()
+                seen += 1  # EOS included: the forward that produced it counts
                 if t in eos:
                     break
                 toks.append(int(t))
                 if len(toks) >= max_tokens:
                     break
             return {"tokens": toks, "seconds": time.perf_counter() - start, "first_s": (first or start) - start,
-                    "tau": (len(toks) - 1) / max(1, forwards[0] - 1)}
+                    "tau": (seen - 1) / max(1, forwards[0] - 1)}  # the first token comes from the prefill
 
         return run
 
