@@ -90,9 +90,10 @@ def plot_series(curves, path, title):
                              squeeze=False, sharex=True)
     for (policy, ratio), lines in curves.items():
         ax = axes[policies.index(policy)][ratios.index(ratio)]
-        for system, style in (("full", ":"), ("naive", "-"), ("vtoken", "-")):
-            ys = lines[system]
-            ax.plot(range(1, len(ys) + 1), ys, style, label={"naive": "Naive-Evict"}.get(system, system))
+        for system, style, width in (("full", ":", 1.5), ("naive", "-", 3.0), ("vtoken", "--", 1.5)):
+            ys = lines[system]  # Naive-Evict drawn wide, vToken dashed on top: where they coincide both show
+            ax.plot(range(1, len(ys) + 1), ys, style, lw=width, label={"naive": "Naive-Evict"}.get(system, system))
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{policy}:{ratio:g}", fontsize=9)
         ax.grid(alpha=0.3)
     for ax in axes[-1]:
