@@ -161,8 +161,8 @@ def plot_curves(curves: dict, path: Path, title: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=5, help="interleaved trials of every path (the median counts)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per trial (greedy)")
     ap.add_argument("--curve-rounds", type=int, default=3, help="rounds of the verify cost curve (0: none)")
     ap.add_argument("--max-width", type=int, default=16, help="widest forward of the cost curve")
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""Naive-Evict vs vToken repacking through the Engine's paged KV cache (issue 13, second part).
+"""Naive-Evict vs vToken repacking through the Engine's paged KV cache: retained blocks, memory, quality.
 
     python bench/kv.py                     # H2O, Scissorhands, StreamingLLM x ratios 0.3 / 0.5 / 0.7
     python bench/kv.py --prompt 512 --tokens 64 --budget 256MiB --policies h2o --ratios 0.5
@@ -86,22 +86,24 @@ def plot_series(curves, path, title):
     keys = sorted(curves)
     policies = sorted({k[0] for k in keys})
     ratios = sorted({k[1] for k in keys})
-    fig, axes = plt.subplots(len(policies), len(ratios), figsize=(3.6 * len(ratios), 2.8 * len(policies)),
+    fig, axes = plt.subplots(len(policies), len(ratios), figsize=(max(6.0, 3.6 * len(ratios)), 2.8 * len(policies) + 0.4),
                              squeeze=False, sharex=True)
     for (policy, ratio), lines in curves.items():
         ax = axes[policies.index(policy)][ratios.index(ratio)]
-        for system, style, width in (("full", ":", 1.5), ("naive", "-", 3.0), ("vtoken", "--", 1.5)):
-            ys = lines[system]  # Naive-Evict drawn wide, vToken dashed on top: where they coincide both show
-            ax.plot(range(1, len(ys) + 1), ys, style, lw=width, label={"naive": "Naive-Evict"}.get(system, system))
-        ax.set_ylim(bottom=0)
+        # Naive-Evict wide, vToken dashed and the full cache dotted on top: where curves coincide all show
+        for system, style, width, label in (("naive", "-", 3.0, "Naive-Evict"), ("vtoken", "--", 1.5, "vToken"),
+                                            ("full", ":", 1.5, "full cache")):
+            ys = lines[system]
+            ax.plot(range(1, len(ys) + 1), ys, style, lw=width, label=label)
+        ax.set_ylim(0, max(max(v) for v in lines.values()) * 1.25 + 1)  # headroom for the legend
         ax.set_title(f"{policy}:{ratio:g}", fontsize=9)
         ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("decode step (token)")
     for row in axes:
         row[0].set_ylabel("KV blocks retained")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
@@ -214,10 +216,11 @@ def main():
     ap.add_argument("--skip", type=int, default=0, help="characters of wikitext skipped")
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     ap.add_argument("--budget", default="256MiB", help="the fixed KV budget of the concurrency column")
-    ap.add_argument("--policies", default="h2o,scissorhands,streaming")
-    ap.add_argument("--ratios", default="0.3,0.5,0.7")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--weights", default="float32")
+    ap.add_argument("--policies", default="h2o,scissorhands,streaming",
+                    help="eviction policies, comma-separated (h2o, scissorhands, streaming, snapkv, random)")
+    ap.add_argument("--ratios", default="0.3,0.5,0.7", help="eviction ratios (fraction of tokens evicted), comma-separated")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--weights", default="float32", help="auto, native or float32 (as mlx_infer.load)")
     ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
     ap.add_argument("--tiny-context", type=int, default=None, metavar="N",
                     help="a tiny random-weight llama with an N-token context instead of --model")

@@ -412,15 +412,17 @@ def policy_main(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
     ap.add_argument("--limit", type=int, default=None,
                     help="prompts per set (the files hold 10; default 4, --policy: %d)" % POLICY_LIMIT)
     ap.add_argument("--max-tokens", type=int, default=None, help="default 48 (--policy: %d)" % POLICY_MAX_TOKENS)
-    ap.add_argument("--sets", default=",".join(SETS))
-    ap.add_argument("--temps", default="0,0.7")
-    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--sets", default=",".join(SETS), help="prompt sets of bench/prompts/, comma-separated")
+    ap.add_argument("--temps", default="0,0.7", help="temperatures, comma-separated (0: greedy)")
+    ap.add_argument("--draft-layers", type=int, default=8,
+                    help="layers of the target cut into the draft model of the draft rows")
     ap.add_argument("--max-draft", default="auto", help="'auto' or an int")
-    ap.add_argument("--modes", default="lookup,draft,layerskip,dflash,auto")
+    ap.add_argument("--modes", default="lookup,draft,layerskip,dflash,auto",
+                    help="mlx-infer speculative modes to run, comma-separated")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs of each prompt per system, interleaved; the fastest counts (peers: one run); "
                          "default 2 (--policy: %d, each counts)" % POLICY_REPEATS)

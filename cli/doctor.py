@@ -5,7 +5,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Annotated, List, Tuple
+from typing import Annotated, List, Optional, Tuple
 
 import mlx_infer  # first: picks the optimized BLAS before mlx.core loads
 
@@ -26,7 +26,7 @@ from mlx_infer.kernels.rms_norm import rms_norm_backend
 from mlx_infer.kernels.rope import rope_backend
 from mlx_infer.kernels.swiglu import swiglu_backend
 from mlx_infer.loading import default
-from mlx_infer.paths import cache_dir
+from mlx_infer.paths import CACHE_ENV, cache_dir, write_error
 
 from .errors import user_errors
 from .options import VerboseOpt
@@ -135,10 +135,17 @@ def collect() -> dict:
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "cache_dir": str(cache),
+        "cache_unwritable": _unwritable(cache),
         "cache": [{"path": p, "bytes": b} for p, b in cache_entries(cache)],
         "measurements": [{"kind": k, "files": n, "bytes": b} for k, n, b in measurement_caches(cache)],
         "default_model": default_model_info(),
     }
+
+
+def _unwritable(cache: Path) -> Optional[str]:
+    """Why the cache directory cannot be written (what the OS said), or None when it can."""
+    error = write_error(cache)
+    return None if error is None else (error.strerror or type(error).__name__)
 
 
 def _gib(n: int) -> str:
@@ -181,7 +188,10 @@ def render(info: dict) -> Table:
         table.add_row("CPU fast path", fast)
     dm = info["default_model"]
     table.add_row("default model", f"{dm['name']}: {dm['where']}" + (f"\n{dm['path']}" if dm["path"] else ""))
-    table.add_row("model cache", info["cache_dir"])
+    unwritable = info["cache_unwritable"]
+    table.add_row("model cache", info["cache_dir"] + (
+        f"\n[yellow]not writable ({escape(unwritable)}): nothing is cached; set {CACHE_ENV} to a writable "
+        f"folder[/yellow]" if unwritable else ""))
     listing = "\n".join(f"{e['path']}  ({_gib(e['bytes'])})" for e in info["cache"]) or "(empty)"
     table.add_row("cached models", listing)
     if info["measurements"]:

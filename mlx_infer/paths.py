@@ -120,7 +120,7 @@ def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optio
             _warned.add(str(path.parent))  # said here; no warning besides
             say(f"{message} (not cached: {path.parent} cannot be written)")
         else:
-            say(f"{message} ({f'again: {stale}' if rejected else 'once'}; cached in {path.parent})")
+            say(f"{message} ({f'again: {stale}' if rejected else 'once per model and install'}; cached in {path.parent})")
     data = compute()
     try:
         write_atomic(path, json.dumps(data))

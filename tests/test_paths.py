@@ -63,7 +63,7 @@ def test_computed_once_then_read(cache):
     second = paths.cached_json("cost", "model-a|cpu", compute, say=said.append, message="measuring")
     assert first == second == {"widths": [1, 2, 4], "ms": [3.5, 3.9, 4.4]}
     assert compute.calls == 1
-    assert said == [f"measuring (once; cached in {cache / 'cost'})"]
+    assert said == [f"measuring (once per model and install; cached in {cache / 'cost'})"]
     files = list((cache / "cost").iterdir())
     assert len(files) == 1 and files[0].suffix == ".json"  # no temporary file left
     assert json.loads(files[0].read_text()) == first

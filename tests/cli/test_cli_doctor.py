@@ -90,3 +90,17 @@ def test_doctor_lists_models_only_and_counts_measurements(run_cli, tmp_path):
     table = run_cli("doctor", env=env).stdout
     assert "cost/" not in table and "prior/" not in table
     assert "cost: 3 files, prior: 1 file" in table
+
+
+def test_doctor_flags_a_cache_that_cannot_be_written(run_cli, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    cache = tmp_path / "a-file" / "cache"  # under a regular file: cannot be created, even by root
+    env = cli_env(MLX_INFER_CACHE=str(cache), MLX_INFER_KERNELS="off")  # no kernel build in a temporary folder
+    info = json.loads(run_cli("doctor", "--json", env=env).stdout)
+    assert info["cache_dir"] == str(cache)
+    assert info["cache_unwritable"] == "Not a directory"
+    table = run_cli("doctor", env=env)
+    assert table.returncode == 0, table.stderr
+    assert "not writable" in table.stdout and "MLX_INFER_CACHE" in table.stdout
+    ok = json.loads(run_cli("doctor", "--json", env=cli_env(MLX_INFER_CACHE=str(tmp_path / "c"), MLX_INFER_KERNELS="off")).stdout)
+    assert ok["cache_unwritable"] is None
