@@ -159,10 +159,6 @@ def dspark_lookup(engine):
     return run
 
 
-#: The llama.cpp rows (greedy identity is checked against their own plain row).
-LLAMA_CPP_PLAIN = "plain (llama.cpp)"
-
-
 def llama_cpp_rows(engine) -> dict:
     """{name: run} for plain decoding and prompt lookup on llama.cpp (llama-cpp-python), on the engine's
     GGUF; {} when llama-cpp-python is not installed or the model is not a GGUF."""
@@ -208,7 +204,7 @@ def llama_cpp_rows(engine) -> dict:
     plain = Llama(model_path=path, n_ctx=4096, n_threads=threads, verbose=False)
     lookup = Llama(model_path=path, n_ctx=4096, n_threads=threads, verbose=False,
                    draft_model=LlamaPromptLookupDecoding())
-    return {LLAMA_CPP_PLAIN: runner(plain), "lookup (llama.cpp)": runner(lookup)}
+    return {"plain (llama.cpp)": runner(plain), "lookup (llama.cpp)": runner(lookup)}
 
 
 # -- --policy: the draft scheduler against fixed draft lengths and against its own A/A twin --

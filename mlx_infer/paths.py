@@ -114,9 +114,8 @@ def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optio
             rejected = True
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or from an older version: compute again
-    unwritable = write_error(path.parent)
     if say:
-        if unwritable is not None:
+        if write_error(path.parent) is not None:
             _warned.add(str(path.parent))  # said here; no warning besides
             say(f"{message} (not cached: {path.parent} cannot be written)")
         else:
