@@ -55,5 +55,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("swiglu", &mlx_infer_kernels::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y = gate * sigmoid(gate) * up, float32 (SwiGLU's gate, see swiglu.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
+  m.def("int8_bits", &mlx_infer_kernels::int8_bits,
+        "The weight bit widths whose products round x to int8 in chunks of 32 (empty: all in float32).");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

@@ -17,20 +17,47 @@ namespace mlx_infer_kernels {
 namespace {
 
 const QmmKernel& pick_kernel() {
-  const char* want = std::getenv("MLX_INFER_KERNEL_ISA");  // "avx2" or "generic" force a variant
+  // "avx512", "avx2" or "generic" force a variant (a faster one the CPU lacks is skipped); "avx512vnni" and
+  // "avx2int8" ask for the int8-activation product (qmm_q8_body.h), which is never picked unasked
+  const char* want = std::getenv("MLX_INFER_KERNEL_ISA");
   std::string w = want ? want : "";
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && (w.empty() || w == "avx512")) return kernel_avx512();
-  if (avx2 && (w.empty() || w == "avx512" || w == "avx2")) return kernel_avx2();
+  if (vnni && w == "avx512vnni") return kernel_avx512_vnni();
+  if (avx2 && w == "avx2int8") return kernel_avx2_int8();
+  if (avx512 && (w.empty() || w == "avx512vnni" || w == "avx512")) return kernel_avx512();
+  if (avx2 && (w.empty() || w == "avx512vnni" || w == "avx512" || w == "avx2" || w == "avx2int8")) {
+    return kernel_avx2();
+  }
 #endif
   return kernel_generic();
 }
 
 }  // namespace
+
+#if defined(__x86_64__) || defined(_M_X64)
+// A variant's functions with an int8-activation product added.
+static QmmKernel with_int8(const QmmKernel& base, const char* name, const QmmQ8Kernel& q8) {
+  QmmKernel v = base;
+  v.name = name;
+  v.q8 = &q8;
+  return v;
+}
+
+const QmmKernel& kernel_avx512_vnni() {
+  static const QmmKernel k = with_int8(kernel_avx512(), "avx512vnni", q8_avx512_vnni());
+  return k;
+}
+
+const QmmKernel& kernel_avx2_int8() {
+  static const QmmKernel k = with_int8(kernel_avx2(), "avx2int8", q8_avx2());
+  return k;
+}
+#endif
 
 // Buffers the kernels stream through start on a cache line: unaligned 64-byte loads cost 1.5x in the
 // register tiles of fewer than 4 rows (measured on Zen 4).
@@ -201,6 +228,13 @@ std::string isa() {
   return kernel().name;
 }
 
+std::vector<int> int8_bits() {
+  const QmmQ8Kernel* q8 = kernel().q8;
+  if (!q8) return {};
+  if (q8->bits8) return {4, 8};
+  return {4};
+}
+
 int num_threads() {
   return ThreadPool::instance().size();
 }
@@ -299,17 +333,35 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
   const int64_t y_item = int64_t(outputs[0].itemsize());
   mx::cpu::get_command_encoder(stream()).dispatch([a, x, y_item]() mutable {
     const QmmKernel& k = kernel();
-    std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order, on a cache line
+    const QmmQ8Kernel* q8 = k.q8 && (a.bits == 4 || k.q8->bits8) ? k.q8 : nullptr;
+    std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order (natural for q8), on a cache line
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
-    load_x_as(x, a.bits, k.lanes, xf);
+    load_x_as(x, q8 ? 8 : a.bits, k.lanes, xf);
+    std::vector<int8_t> xq;
+    std::vector<float> xd, xs;
+    if (q8) {  // x rounded to int8 once for every weight row
+      xq.resize(size_t(a.M) * a.K);
+      xd.resize(size_t(a.M) * (a.K / 32) * 4);
+      xs.resize(size_t(a.M) * (a.K / a.group_size));
+      q8->prepare(xf, a.M, a.K, a.group_size, a.bits, xq.data(), xd.data(), xs.data());
+    }
     const int M = a.M, pass = rows_per_pass(a.K);
     char* y = static_cast<char*>(a.y);
     for (int m0 = 0; m0 < M; m0 += pass) {  // one pass over the weight per `pass` rows of x
       a.M = std::min(pass, M - m0);
       a.x = xf + int64_t(m0) * a.K;
       a.y = y + int64_t(m0) * a.ldy * y_item;
+      if (q8) {
+        a.xq = xq.data() + int64_t(m0) * a.K;
+        a.xd = xd.data() + int64_t(m0) * (a.K / 32) * 4;
+        a.xs = xs.data() + int64_t(m0) * (a.K / a.group_size);
+      }
       split_rows(a.N, a.K, int64_t(a.M) * a.N * a.K, [&](int n0, int n1, float* scratch) {
-        k.rows(a, n0, n1, scratch);
+        if (q8) {
+          q8->rows(a, n0, n1);
+        } else {
+          k.rows(a, n0, n1, scratch);
+        }
       });
     }
   });

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -37,6 +38,8 @@ mx::array dequantize_f32(
 
 // The instruction set the kernels run with: "avx512", "avx2", "neon" or "generic".
 std::string isa();
+// The weight bit widths whose products run on the variant's int8-activation path (QmmQ8Kernel).
+std::vector<int> int8_bits();
 
 // Threads the kernels split a product over (the caller included).
 int num_threads();

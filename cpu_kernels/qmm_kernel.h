@@ -25,6 +25,12 @@ struct QmmArgs {
   // G ascending group indices. x then holds only those groups: [M, G * group_size], row-contiguous.
   const int32_t* groups;
   int G;
+  // The int8-activation path only (QmmQ8Kernel, qmm_q8_body.h): x quantized in chunks of 32, xq [M, K]
+  // int8, xd [M, K / 32, 4] float32 (each chunk's scale 4 times), xs [M, K / group_size] float32 (x
+  // summed over each group).
+  const int8_t* xq;
+  const float* xd;
+  const float* xs;
 };
 
 // Weight group read at position gi of the product (identity when every group is read).
@@ -112,6 +118,16 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 // Keys per tile of the attention loop (dequantized K and V tiles stay in L1).
 constexpr int kAttnTile = 32;
 
+// The int8-activation product of a variant (qmm_q8_body.h), used for every product of the bit widths it
+// takes: y = x @ dequantize(w).T with x rounded to int8 in chunks of 32 (one scale per chunk).
+struct QmmQ8Kernel {
+  bool bits8;  // takes 8-bit weights as well as 4-bit ones
+  // x [M, K] float32, natural order -> the xq / xd / xs operands (see QmmArgs).
+  void (*prepare)(const float* x, int M, int K, int group_size, int bits, int8_t* xq, float* xd, float* xs);
+  // y[:, n0:n1] from xq / xd / xs; every group read (a.groups is nullptr).
+  void (*rows)(const QmmArgs& a, int n0, int n1);
+};
+
 // A kernel variant: its vector width and its row loop.
 struct QmmKernel {
   const char* name;  // "avx512", "avx2", "generic"
@@ -131,10 +147,18 @@ struct QmmKernel {
   void (*softmax_rows)(const SoftmaxArgs& a, int64_t r0, int64_t r1);
   // y[i] = g[i] * sigmoid(g[i]) * u[i] for i < n (float32).
   void (*swiglu)(const float* g, const float* u, float* y, int64_t n);
+  // The int8-activation product, where the variant has one (nullptr: every product in float32).
+  const QmmQ8Kernel* q8 = nullptr;
 };
 
 const QmmKernel& kernel_avx512();
 const QmmKernel& kernel_avx2();
 const QmmKernel& kernel_generic();
+// The AVX-512 / AVX2 variants with their int8-activation products (qmm.cpp; the CPU must have AVX-512
+// VNNI / AVX2).
+const QmmKernel& kernel_avx512_vnni();
+const QmmKernel& kernel_avx2_int8();
+const QmmQ8Kernel& q8_avx2();
+const QmmQ8Kernel& q8_avx512_vnni();
 
 }  // namespace mlx_infer_kernels

@@ -15,7 +15,8 @@ recorded and not retried until the sources, MLX or the tools change), `available
         y = cpu.cpu_qmm(x, w, scales, biases, group_size=32, bits=4)   # [M, N]
 
 `MLX_INFER_KERNELS=off` turns the kernels off (the reference runs); `MLX_INFER_KERNEL_THREADS` and
-`MLX_INFER_KERNEL_ISA` (avx2, generic) pick the threads and instruction set. The environment is read
+`MLX_INFER_KERNEL_ISA` (avx512, avx2, generic; avx512vnni and avx2int8 for the int8-activation
+products, docs/kernels.md) pick the threads and instruction set. The environment is read
 once per process (`refresh()` reads it again).
 """
 
@@ -334,12 +335,23 @@ def _module() -> ModuleType:
 
 
 def isa() -> str:
-    """The instruction set the kernels run with: 'avx512', 'avx2', 'neon' or 'generic'.
+    """The instruction set the kernels run with: 'avx512', 'avx2', 'neon' or 'generic' ('avx512vnni',
+    'avx2int8' when MLX_INFER_KERNEL_ISA asks for them).
 
     Raises:
         RuntimeError: the kernels are not available (see why_not()).
     """
     return _module().isa()
+
+
+def int8_bits() -> tuple:
+    """The weight bit widths (of 4 and 8) whose products round x to int8 in chunks of 32 on this instruction
+    set (avx512vnni: 4 and 8; avx2int8: 4; others: none, every product in float32).
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+    """
+    return tuple(_module().int8_bits())
 
 
 @functools.lru_cache(maxsize=1)

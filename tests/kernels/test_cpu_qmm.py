@@ -4,7 +4,9 @@ dtype, M = 1..16, odd N, the default model's shapes, strided x, mixed dtypes, ba
 Tolerance: the kernel and the oracle both dequantize in float32 and accumulate in float32, in different
 orders, so an output may differ by a few float32 roundings of the terms' total size:
 |y - ref| <= FLOAT32_TOL * (|x| @ |W|.T). float16 / bfloat16 outputs add one rounding of y to that type:
-<= eps(dtype) * |ref| on top.
+<= eps(dtype) * |ref| on top. On the bit widths the instruction set runs with int8 activations
+(cpu.int8_bits(): 4 and 8 on avx512vnni, 4 on avx2int8; only when MLX_INFER_KERNEL_ISA asks for them) the kernel must equal numpy's int8 product
+(int8_oracle) within that tolerance, and the float32 oracle within the rounding bound of x (int8_bound).
 """
 
 import textwrap
@@ -12,9 +14,10 @@ import textwrap
 import mlx.core as mx
 import numpy as np
 import pytest
-from qmm_helpers import magnitude, oracle, quantized, run_in_variant
+from qmm_helpers import int8_bound, int8_oracle, magnitude, oracle, quantized, run_in_variant
 
 from mlx_infer.blas import cpu_flags
+from mlx_infer.kernels import cpu
 
 FLOAT32_TOL = 1e-5
 EPS = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
@@ -24,8 +27,14 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 def assert_close(y, x, w, scales, biases, group_size, bits):
     ref = oracle(x, w, scales, biases, group_size, bits)
     size = magnitude(x, w, scales, biases, group_size, bits)
-    err = mx.abs(y.astype(mx.float32) - ref)
     bound = FLOAT32_TOL * size + EPS[y.dtype] * mx.abs(ref)
+    if bits in cpu.int8_bits():
+        exact = int8_oracle(x, w, scales, biases, group_size, bits)
+        err = mx.abs(y.astype(mx.float32) - exact)
+        worst = mx.max(err - bound).item()
+        assert worst <= 0, f"int8 product: over the bound by {worst:.3g} (max error {mx.max(err).item():.3g})"
+        bound = bound + int8_bound(x, w, scales, biases, group_size, bits)
+    err = mx.abs(y.astype(mx.float32) - ref)
     worst = mx.max(err - bound).item()
     assert worst <= 0, f"max error over the bound by {worst:.3g} (max error {mx.max(err).item():.3g})"
 
@@ -41,6 +50,20 @@ def test_every_row_count_matches_the_oracle(cpu_kernels, bits, group_size, dtype
         y = cpu_kernels.cpu_qmm(x, w, scales, biases, group_size, bits)
         assert y.shape == (m, n) and y.dtype == dtype
         assert_close(y, x, w, scales, biases, group_size, bits)
+
+
+@pytest.mark.parametrize("k", [32, 96, 160, 224])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_contractions_that_end_in_a_partial_step(cpu_kernels, k, bits):
+    """K of 1, 3, 5 and 7 chunks of 32: the int8 path's last step holds fewer chunks than its vectors (4 on
+    AVX-512, 2 on AVX2), read through masked or narrower loads; each row also equals that row alone."""
+    w, scales, biases = quantized(21, k, 32, bits, mx.float16, seed=k + bits)
+    x = mx.random.normal((16, k), key=mx.random.key(k))
+    alone = mx.concatenate([cpu_kernels.cpu_qmm(x[i:i + 1], w, scales, biases, 32, bits) for i in range(16)])
+    for m in (1, 3, 9, 16):
+        y = cpu_kernels.cpu_qmm(x[:m], w, scales, biases, 32, bits)
+        assert_close(y, x[:m], w, scales, biases, 32, bits)
+        assert mx.array_equal(y, alone[:m]).item(), m
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -85,8 +108,10 @@ def test_matches_mlx_quantized_matmul(cpu_kernels):
     x = mx.random.normal((9, 576), key=mx.random.key(3))
     y = cpu_kernels.cpu_qmm(x, w, scales, biases, 32, 4)
     ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=4)
-    size = magnitude(x, w, scales, biases, 32, 4)
-    assert mx.all(mx.abs(y - ref) <= FLOAT32_TOL * size).item()
+    bound = FLOAT32_TOL * magnitude(x, w, scales, biases, 32, 4)
+    if 4 in cpu.int8_bits():
+        bound = bound + int8_bound(x, w, scales, biases, 32, 4)
+    assert mx.all(mx.abs(y - ref) <= bound).item()
 
 
 def test_strided_and_broadcast_x(cpu_kernels):
@@ -152,6 +177,7 @@ def test_instruction_set_and_threads(cpu_kernels):
                 else "avx2" if {"avx2", "fma"} <= flags else None)
     if expected:
         assert cpu_kernels.isa() == expected
+    assert cpu_kernels.int8_bits() == ()  # the int8 products run only when asked for
     assert cpu_kernels.num_threads() >= 1
 
 
@@ -164,7 +190,7 @@ VARIANT_CHECK = textwrap.dedent("""
     import mlx.core as mx
     from mlx_infer.kernels import cpu
     sys.path.insert(0, sys.argv[1])
-    from qmm_helpers import magnitude, oracle, quantized, run_in_variant
+    from qmm_helpers import int8_bound, magnitude, oracle, quantized, run_in_variant
     assert cpu.isa() == sys.argv[2], cpu.isa()
     eps = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
     worst = -1.0
@@ -177,6 +203,8 @@ VARIANT_CHECK = textwrap.dedent("""
                     y = cpu.cpu_qmm(x, w, s, b, gs, bits)
                     ref = oracle(x, w, s, b, gs, bits)
                     bound = 1e-5 * magnitude(x, w, s, b, gs, bits) + eps[dt] * mx.abs(ref)
+                    if bits in cpu.int8_bits():
+                        bound = bound + int8_bound(x, w, s, b, gs, bits)
                     worst = max(worst, mx.max(mx.abs(y.astype(mx.float32) - ref) - bound).item())
     print(worst)
     assert worst <= 0, worst
@@ -188,7 +216,8 @@ VARIANT_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("variant", ["avx2", "generic"])
+@pytest.mark.parametrize("variant", ["avx512vnni", "avx2int8", "avx512", "avx2", "generic"])
 def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
-    """The AVX2 and portable variants (which this machine would not pick) against the oracle."""
+    """The int8-activation variants (against numpy's int8 product's bound), the AVX-512, AVX2 and portable
+    variants (which this machine may not pick) against the oracle; rows independent of the row count."""
     run_in_variant(VARIANT_CHECK, variant, tmp_path)
