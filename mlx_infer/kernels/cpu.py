@@ -68,6 +68,7 @@ class _State:
     module: Optional[ModuleType] = None
     reason: Optional[str] = None
     backend: str = "reference"  # cpu_backend()'s answer on the CPU device: "cpu-<isa>" with a module
+    int8_bits: tuple = ()  # int8_bits()'s answer with a module
 
 
 #: Temporary build folders of this process, per cache folder that could not be written.
@@ -293,7 +294,7 @@ def _find() -> _State:
         return _State(reason=f"the CPU kernels in {path} were built but do not run ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); rebuild them with "
                              "mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
-    return _State(module=module, backend=f"cpu-{module.isa()}")
+    return _State(module=module, backend=f"cpu-{module.isa()}", int8_bits=tuple(module.int8_bits()))
 
 
 def _load() -> _State:
@@ -351,7 +352,8 @@ def int8_bits() -> tuple:
     Raises:
         RuntimeError: the kernels are not available (see why_not()).
     """
-    return tuple(_module().int8_bits())
+    _module()  # raises when there are no kernels
+    return (_current or _load()).int8_bits
 
 
 @functools.lru_cache(maxsize=1)

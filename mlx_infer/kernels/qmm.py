@@ -117,7 +117,9 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     Returns:
         y [..., N] in promote_types(x.dtype, scales.dtype), as mx.quantized_matmul(..., transpose=True)
         up to float32 rounding: M <= QMM_MAX_ROWS runs the skinny kernel of qmm_backend() (on the CPU
-        kernel: M <= CPU_QMM_MAX_ROWS), more rows the wide path (wide_qmm).
+        kernel: M <= CPU_QMM_MAX_ROWS), more rows the wide path (wide_qmm). Products whose x the CPU
+        kernel rounds to int8 (bits in cpu.int8_bits()) run on the kernel at every row count, so a row's
+        result never depends on how many rows the call has.
 
     Raises:
         ValueError (MlxInferError from the GPU kernels): shapes, dtypes, bits or group size the kernels
@@ -127,7 +129,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     rows = math.prod(shape[:-1])
     if rows == 0:  # nothing to multiply; MLX's op gives the empty result's shape and dtype
         return reference_qmm(x, w, scales, biases, group_size, bits)
-    if rows <= CPU_QMM_MAX_ROWS and mx.default_device() == mx.cpu and cpu.available():
+    if mx.default_device() == mx.cpu and cpu.available() and (rows <= CPU_QMM_MAX_ROWS or bits in cpu.int8_bits()):
         return cpu.cpu_qmm(x, w, scales, biases, group_size, bits)  # [..., N]: no reshapes in the graph
     x2 = x if len(shape) == 2 else x.reshape(rows, shape[-1])  # [M, K]
     if rows <= QMM_MAX_ROWS:

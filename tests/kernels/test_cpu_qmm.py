@@ -183,12 +183,14 @@ def test_instruction_set_and_threads(cpu_kernels):
 
 #: Run in a fresh process with MLX_INFER_KERNEL_ISA set (the variant is chosen once per process): every
 #: bits / group size / dtype and rows 1..16 against the float32 oracle, with the bound of assert_close;
-#: then each row of 1..16-row products bit-identical to the row alone.
+#: then each row of 1..16-row products bit-identical to the row alone (on the int8 variants also a product wider
+#: than CPU_QMM_MAX_ROWS through qmm).
 VARIANT_CHECK = textwrap.dedent("""
     import sys
     import mlx_infer
     import mlx.core as mx
     from mlx_infer.kernels import cpu
+    from mlx_infer.kernels.qmm import CPU_QMM_MAX_ROWS, qmm
     sys.path.insert(0, sys.argv[1])
     from qmm_helpers import int8_bound, magnitude, oracle, quantized, run_in_variant
     assert cpu.isa() == sys.argv[2], cpu.isa()
@@ -213,6 +215,11 @@ VARIANT_CHECK = textwrap.dedent("""
     alone = mx.concatenate([cpu.cpu_qmm(x[i:i + 1], w, s, b, 32, 4) for i in range(16)])
     for m in range(1, 17):
         assert mx.array_equal(cpu.cpu_qmm(x[:m], w, s, b, 32, 4), alone[:m]).item(), m
+    if 4 in cpu.int8_bits():  # qmm sends every row count to the int8 kernel: a prefill's rows equal decoding's
+        x = mx.random.normal((CPU_QMM_MAX_ROWS + 8, 576), key=mx.random.key(7))
+        wide = qmm(x, w, s, b, 32, 4)
+        for i in (0, 100, CPU_QMM_MAX_ROWS + 7):
+            assert mx.array_equal(wide[i:i + 1], qmm(x[i:i + 1], w, s, b, 32, 4)).item(), i
 """)
 
 
