@@ -21,6 +21,7 @@ import mlx.core as mx
 from . import cpu
 from .gpu_attention import ATTN_GPU_MAX_ROWS, ATTN_HEAD_DIMS, cuda_quant_attention, metal_quant_attention
 from .gpu_qmm import cuda_available, metal_available
+from .paged_attention import PAGED_MAX_QUERIES
 from .prefill_attention import PREFILL_MIN_QUERIES, prefill_attention
 
 #: Most query rows per KV head the CPU kernel takes (n_rep * L: GQA group times verify width) for any
@@ -87,6 +88,24 @@ def reference_quant_attention(q: mx.array, keys: Packed, values: Packed, length:
     return out.astype(q.dtype)
 
 
+def _in_position_blocks(q: mx.array, keys: Packed, values: Packed, length: int, scale: float, positions: int,
+                        group_size: int, k_bits: int, v_bits: int) -> mx.array:
+    """The CPU kernel over blocks of at most PAGED_MAX_QUERIES of the query positions (quant_attention's
+    operands): [n_kv, R, Dv]. Each row comes out as a decode step at its position computes it (the kernel's
+    tiles and splits lie at fixed key positions, and keys a row does not see add exact zeros)."""
+    n_kv, R, D = q.shape
+    n_rep = R // positions
+    grouped = q.reshape(n_kv, n_rep, positions, D)  # row r of q is position r % positions
+    blocks = []
+    for i in range(0, positions, PAGED_MAX_QUERIES):
+        n = min(PAGED_MAX_QUERIES, positions - i)
+        qb = grouped[:, :, i:i + n].reshape(n_kv, n_rep * n, D)
+        out = cpu.cpu_quant_attention(qb, keys, values, length - positions + i + n, scale, n, group_size, k_bits,
+                                      v_bits)  # [n_kv, n_rep * n, Dv]
+        blocks.append(out.reshape(n_kv, n_rep, n, -1))
+    return mx.concatenate(blocks, axis=2).reshape(n_kv, R, -1)  # [n_kv, R, Dv]
+
+
 def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scale: float, positions: int,
                     group_size: int) -> mx.array:
     """Attention of query rows over a quantized KV cache, on the best path here.
@@ -105,8 +124,9 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
     Returns:
         [n_kv, R, Dv] in q's dtype, accumulated in float32: the kernel for up to ATTN_MAX_ROWS rows or
         fewer than PREFILL_MIN_QUERIES positions (GPU: ATTN_GPU_MAX_ROWS rows), on the CPU a prefill
-        chunk (positions >= PREFILL_MIN_QUERIES) on the tiled prefill attention over the dequantized K/V,
-        else the reference.
+        chunk (positions >= PREFILL_MIN_QUERIES) on the tiled prefill attention over the dequantized K/V
+        (where the products round x to int8, cpu.int8_activations(): on the kernel in blocks of
+        PAGED_MAX_QUERIES positions), else the reference.
 
     Raises:
         ValueError: shapes that do not agree, or bits / group sizes other than 4 / 8 and 32 / 64 / 128.
@@ -126,6 +146,8 @@ def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scal
             return run(q, keys, values, length, scale, positions, group_size)
     elif backend != "reference" and (q.shape[1] <= ATTN_MAX_ROWS or positions < PREFILL_MIN_QUERIES):
         return cpu.cpu_quant_attention(q, keys, values, length, scale, positions, group_size, k_bits, v_bits)
+    elif backend != "reference" and cpu.int8_activations():  # every row as a decode step computes it
+        return _in_position_blocks(q, keys, values, length, scale, positions, group_size, k_bits, v_bits)
     elif backend != "reference" and positions >= PREFILL_MIN_QUERIES:  # a prefill chunk: tiled, dequantized K/V
         n_kv, R, _ = q.shape
         k = _dequantize_f32(keys, length, group_size, k_bits)[None]  # [1, n_kv, S, D]

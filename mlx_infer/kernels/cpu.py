@@ -356,6 +356,15 @@ def int8_bits() -> tuple:
     return (_current or _load()).int8_bits
 
 
+def int8_activations() -> bool:
+    """Whether quantized products here round x to int8 (MLX's default device is the CPU and int8_bits()
+    is not empty). Then attention computes every query row as a decode step does, whatever the forward's
+    width (kernels/paged_attention.py), so that a row's activations, and x's rounding of them, do not depend
+    on how a prompt is chunked or batched or on the KV layout (docs/kernels.md#int8-activations-opt-in)."""
+    state = _current or _load()
+    return bool(state.int8_bits) and mx.default_device() == mx.cpu
+
+
 @functools.lru_cache(maxsize=1)
 def build_id() -> Optional[str]:
     """The fingerprint of the kernels in use (their sources, MLX, Python and nanobind: what a rebuild

@@ -15,15 +15,16 @@ one layer at 8k tokens, 7.7 ms against 2.3 ms for a decode row and 71 ms against
 import mlx.core as mx
 import numpy as np
 
-from .paged_attention import PAGED_MAX_QUERIES, paged_attention, paged_kernel_fits
+from .paged_attention import paged_attention, paged_kernel_fits
 
 __all__ = ["dense_attention", "dense_fits"]
 
 
 def dense_fits(queries: int, k_dim: int, v_dim: int) -> bool:
-    """Whether `dense_attention` runs the kernel for `queries` positions (L <= PAGED_MAX_QUERIES) and head
-    dims k_dim / v_dim here (else the caller keeps MLX's attention)."""
-    return queries <= PAGED_MAX_QUERIES and paged_kernel_fits(queries, k_dim, v_dim)
+    """Whether `dense_attention` runs the kernel for `queries` positions (paged_kernel_fits: L <=
+    PAGED_MAX_QUERIES, any L where the products round x to int8) and head dims k_dim / v_dim here (else the
+    caller keeps MLX's attention)."""
+    return paged_kernel_fits(queries, k_dim, v_dim)
 
 
 #: The token-table operands of the last call: every layer of a step asks for the same ones.

@@ -40,8 +40,9 @@ def paged_attention_backend() -> str:
 
 def paged_kernel_fits(queries: int, k_dim: int, v_dim: int) -> bool:
     """Whether `paged_attention` runs the kernel for `queries` positions per request (L) and head dims
-    k_dim / v_dim here (else the reference)."""
-    return (queries <= PAGED_MAX_QUERIES and k_dim % PAGED_HEAD_DIM_MULTIPLE == 0
+    k_dim / v_dim here (else the reference): L <= PAGED_MAX_QUERIES, any L where the products round x to
+    int8 (cpu.int8_activations(): then a prefill chunk runs on the kernel too, in query blocks)."""
+    return ((queries <= PAGED_MAX_QUERIES or cpu.int8_activations()) and k_dim % PAGED_HEAD_DIM_MULTIPLE == 0
             and v_dim % PAGED_HEAD_DIM_MULTIPLE == 0 and paged_attention_backend() != "reference")
 
 
@@ -142,11 +143,24 @@ def _check_packed(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.arr
                              f"head dim, the same rows as the keys)")
 
 
+def _in_query_blocks(run, q: mx.array, q_pos: mx.array) -> mx.array:
+    """run(q_block, q_pos_block) -> [B, n_q, Lb, Dv] over blocks of at most PAGED_MAX_QUERIES of q's L
+    positions (q [B, n_q, L, D], q_pos int32 [B, L]), concatenated along L: a wider forward on the kernel
+    computes each row exactly as a decode step does (the kernel's tiles and splits lie at fixed key
+    positions, and keys a row does not see add exact zeros)."""
+    L = q.shape[2]
+    if L <= PAGED_MAX_QUERIES:
+        return run(q, q_pos)
+    blocks = [run(q[:, :, i:i + PAGED_MAX_QUERIES], q_pos[:, i:i + PAGED_MAX_QUERIES])
+              for i in range(0, L, PAGED_MAX_QUERIES)]  # each [B, n_q, Lb, Dv]
+    return mx.concatenate(blocks, axis=2)  # [B, n_q, L, Dv]
+
+
 def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], index: mx.array,
                           lengths: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float, group_size: int,
                           window: int = 0) -> mx.array:
     """Attention of B requests' queries over their live tokens in a paged KV pool of quantized blocks, on
-    the best path here (the CPU kernel for L <= PAGED_MAX_QUERIES, else the reference).
+    the best path here (the CPU kernel where paged_kernel_fits, else the reference).
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
@@ -165,8 +179,8 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
     _check_packed(q, keys, values, group_size)
     dim, v_dim = keys[1].shape[1] * group_size, values[1].shape[1] * group_size
     if q.ndim == 4 and paged_kernel_fits(q.shape[2], dim, v_dim):
-        return cpu.cpu_paged_quant_attention(q, keys, values, index, lengths, q_pos, k_pos, scale, group_size,
-                                             window)  # checks
+        return _in_query_blocks(lambda qb, pb: cpu.cpu_paged_quant_attention(
+            qb, keys, values, index, lengths, pb, k_pos, scale, group_size, window), q, q_pos)  # checks
     _check(q, (keys[0].shape[0], dim), (values[0].shape[0], v_dim), index, lengths, q_pos, k_pos, window)
     return reference_paged_quant_attention(q, keys, values, index, lengths, q_pos, k_pos, scale, group_size, window)
 
@@ -174,8 +188,8 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
                     q_pos: mx.array, k_pos: mx.array, scale: float, window: int = 0) -> mx.array:
     """Attention of B requests' queries over their live tokens in a float paged KV pool, on the best path
-    here (the CPU kernel for L <= PAGED_MAX_QUERIES and head dims that are multiples of 16, else the
-    reference).
+    here (the CPU kernel where paged_kernel_fits: L <= PAGED_MAX_QUERIES, or any L on the int8 path, and head
+    dims that are multiples of 16; else the reference).
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
@@ -195,7 +209,8 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
         ValueError: shapes or dtypes that do not agree, or window < 0.
     """
     if q.ndim == 4 and v_pool.ndim == 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[1]):
-        return cpu.cpu_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)  # checks
+        return _in_query_blocks(lambda qb, pb: cpu.cpu_paged_attention(
+            qb, k_pool, v_pool, index, lengths, pb, k_pos, scale, window), q, q_pos)  # checks
     _check(q, tuple(k_pool.shape), tuple(v_pool.shape), index, lengths, q_pos, k_pos, window)
     return reference_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)
 

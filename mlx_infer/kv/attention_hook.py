@@ -5,7 +5,8 @@ from mlx_lm.models.base. `install(model)` rebinds that name in the modules of th
 - a QuantKVCache layer, or a PagedKVCache layer, to its fused kernel (over the packed K/V, where prefill
   chunks run the tiled prefill attention over the dequantized rows; over the pool);
 - another causal prefill chunk (at least PREFILL_MIN_QUERIES queries, on the CPU) to the tiled prefill
-  attention of kernels/prefill_attention.py;
+  attention of kernels/prefill_attention.py (where the products round x to int8, a chunk over mlx-lm's
+  dense KVCache goes to the paged kernel as a decode step does, below: kernels/dense_attention.dense_fits);
 - a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool;
 - a decode or verify step over mlx-lm's dense KVCache to the paged kernel reading the cache's buffer in
   place (kernels/dense_attention.py);
@@ -45,10 +46,10 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
         out = cache.fused_attention(queries, scale, mask)
         if out is not None:
             return out
-    if sinks is None and prefill_fits(queries, keys, mask):
-        return prefill_attention(queries, keys, values, scale)
     if type(cache) is KVCache and sinks is None and _dense_decode(queries, keys, values, cache, mask):
         return dense_attention(queries, cache.keys, cache.values, cache.offset, scale)
+    if sinks is None and prefill_fits(queries, keys, mask):
+        return prefill_attention(queries, keys, values, scale)
     return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -13,7 +13,8 @@ tokens get their own positions (eviction keeps original positions here too). Eac
 tokens' K/V into the pool with one scatter. Attention then reads every request's live tokens (the new ones
 included) in one of two ways:
 
-- fused (decode and verify widths, L <= PAGED_MAX_QUERIES, where the paged-attention kernel runs; the
+- fused (decode and verify widths, L <= PAGED_MAX_QUERIES, and every width where the products round x to
+  int8, kernels/paged_attention.paged_kernel_fits; where the paged-attention kernel runs; the
   attention hook, kv/attention_hook.py, calls `BatchLayerCache.fused_attention`): the kernel reads the
   pool's rows in place through the step's row index (kernels/paged_attention.py), with the visibility
   rule of the mask below computed from the same positions; the gathered K/V that `update_and_fetch`
