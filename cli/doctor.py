@@ -18,6 +18,7 @@ from rich.table import Table
 from mlx_infer import backend
 from mlx_infer.kernels import cpu as cpu_kernels
 from mlx_infer.kernels.attention import attention_backend
+from mlx_infer.kernels.cpu import ISA_CHOICES, ISA_ENV
 from mlx_infer.kernels.move_rows import move_rows_backend
 from mlx_infer.kernels.paged_attention import paged_attention_backend
 from mlx_infer.kernels.qmm import qmm_backend
@@ -134,6 +135,8 @@ def collect() -> dict:
         "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend()},
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
+        "int8_activation_bits": list(cpu_kernels.int8_bits()) if backend_name == "cpu" and cpu_kernels.available() else [],
+        "kernel_isa_unknown": cpu_kernels.unknown_isa_request(),
         "cache_dir": str(cache),
         "cache_unwritable": _unwritable(cache),
         "cache": [{"path": p, "bytes": b} for p, b in cache_entries(cache)],
@@ -178,6 +181,13 @@ def render(info: dict) -> Table:
                                  f"{info['paged_kv_kernels']['repack']}; RMSNorm / RoPE / SwiGLU: "
                                  f"{info['layer_kernels']['rms_norm']} / {info['layer_kernels']['rope']} / "
                                  f"{info['layer_kernels']['swiglu']}")
+    if info["int8_activation_bits"]:
+        bits = " and ".join(f"{b}-bit" for b in info["int8_activation_bits"])
+        table.add_row("int8 activations", f"on for {bits} weights ({ISA_ENV}): x rounded to int8 per 32 values, "
+                                          "faster decode, slightly lossy; unset it for float32 products")
+    if info["kernel_isa_unknown"]:
+        table.add_row("fix", f"[yellow]{ISA_ENV}={escape(info['kernel_isa_unknown'])} names no kernel variant "
+                             f"(use one of {', '.join(ISA_CHOICES)}, or unset it); ignored[/yellow]")
     if info["backend"] == "cpu":
         if info["kernel_threads"]:
             fast = "quantized weights on the CPU kernels (--weights auto)"

@@ -1,7 +1,9 @@
 #include "qmm.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
+#include <iterator>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -21,6 +23,11 @@ const QmmKernel& pick_kernel() {
   // "avx2int8" ask for the int8-activation product (qmm_q8_body.h), which is never picked unasked
   const char* want = std::getenv("MLX_INFER_KERNEL_ISA");
   std::string w = want ? want : "";
+  std::transform(w.begin(), w.end(), w.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  // a value naming no variant (a typo) counts as unset: the best variant this CPU has (the Python side
+  // warns, mlx_infer.kernels.cpu.unknown_isa_request)
+  const char* const known[] = {"avx512", "avx2", "generic", "avx512vnni", "avx2int8"};
+  if (std::find(std::begin(known), std::end(known), w) == std::end(known)) w.clear();
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -47,6 +48,10 @@ from mlx_infer.paths import cache_dir, warn_not_cached, write_error
 
 #: Environment variable that turns the kernels off when set to "off" (or "0").
 KERNELS_ENV = "MLX_INFER_KERNELS"
+#: Environment variable that picks the kernels' instruction set, and the variants it names (the int8
+#: activations run only when asked for: avx512vnni, avx2int8; cpu_kernels/qmm.cpp's pick_kernel).
+ISA_ENV = "MLX_INFER_KERNEL_ISA"
+ISA_CHOICES = ("avx512", "avx2", "generic", "avx512vnni", "avx2int8")
 #: Oldest CMake that builds MLX extensions (MLX's CMake config requires it).
 MIN_CMAKE = (3, 27)
 #: Seconds a build (or a wait for another process's build) may take before it counts as failed.
@@ -294,6 +299,10 @@ def _find() -> _State:
         return _State(reason=f"the CPU kernels in {path} were built but do not run ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); rebuild them with "
                              "mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
+    unknown = unknown_isa_request()
+    if unknown is not None:
+        warnings.warn(f"{ISA_ENV}={unknown} names no kernel variant (use one of {', '.join(ISA_CHOICES)}, or unset "
+                      f"it); the CPU kernels run {module.isa()}, the best this CPU has", stacklevel=2)
     return _State(module=module, backend=f"cpu-{module.isa()}", int8_bits=tuple(module.int8_bits()))
 
 
@@ -354,6 +363,13 @@ def int8_bits() -> tuple:
     """
     _module()  # raises when there are no kernels
     return (_current or _load()).int8_bits
+
+
+def unknown_isa_request() -> Optional[str]:
+    """$ISA_ENV's value when it names none of ISA_CHOICES (any case), else None. The kernels then run the
+    best variant this CPU has, as with it unset; loading them warns once."""
+    value = os.environ.get(ISA_ENV, "").strip()
+    return value if value and value.lower() not in ISA_CHOICES else None
 
 
 def int8_activations() -> bool:

@@ -110,7 +110,7 @@ def parse_evict(evict: Optional[str]) -> Optional[EvictSpec]:
         return None
     name, sep, ratio = str(evict).strip().lower().partition(":")
     if not sep:
-        raise MlxInferError(f"evict must be POLICY:RATIO (e.g. h2o:0.5), got {evict!r}")
+        raise MlxInferError(f"an eviction spec is POLICY:RATIO (e.g. h2o:0.5), got {evict!r}")
     if name not in POLICIES:
         raise MlxInferError(f"unknown eviction policy {name!r} in {evict!r}: use one of {', '.join(POLICIES)}")
     try:

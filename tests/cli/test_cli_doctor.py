@@ -35,6 +35,20 @@ def test_doctor_json(run_cli, tmp_path):
                                          "swiglu": info["attention_kernel"]}
 
 
+def test_doctor_names_an_unknown_instruction_set(run_cli):
+    """A typo in MLX_INFER_KERNEL_ISA: one warning line, doctor names the ignored value (the kernels run the
+    best variant this CPU has: tests/kernels/test_cpu_qmm.py)."""
+    proc = run_cli("doctor", "--json", env=cli_env(MLX_INFER_KERNEL_ISA="bogus"))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    if info["backend"] != "cpu" or info["kernels_missing"]:
+        pytest.skip("the CPU kernels do not run here")
+    assert info["kernel_isa_unknown"] == "bogus" and info["int8_activation_bits"] == []
+    warning = [line for line in proc.stderr.splitlines() if "MLX_INFER_KERNEL_ISA" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning: MLX_INFER_KERNEL_ISA=bogus names no kernel variant")
+    assert "avx512vnni" in warning[0]  # the choices
+
+
 def test_doctor_lists_cached_models(run_cli, tmp_path):
     cache = tmp_path / "cache"
     (cache / "gguf" / "tiny-0123").mkdir(parents=True)

@@ -223,6 +223,33 @@ VARIANT_CHECK = textwrap.dedent("""
 """)
 
 
+#: In a fresh process with MLX_INFER_KERNEL_ISA naming no variant: the kernels pick what they pick unasked
+#: (BEST, this process's variant), with one warning.
+UNKNOWN_ISA = textwrap.dedent("""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import mlx_infer
+        from mlx_infer.kernels import cpu
+        isa = cpu.isa()
+    assert isa == "BEST", isa
+    assert [str(w.message).split(" names")[0] for w in caught if "names no kernel variant" in str(w.message)] == \
+        ["MLX_INFER_KERNEL_ISA=VALUE"], [str(w.message) for w in caught]
+""")
+
+
+@pytest.mark.parametrize("value", ["bogus", "avx512_vnni"])
+def test_unknown_instruction_set_runs_the_best_one(cpu_kernels, value, tmp_path):
+    run_in_variant(UNKNOWN_ISA.replace("BEST", cpu_kernels.isa()).replace("VALUE", value), value, tmp_path)
+
+
+def test_instruction_set_names_ignore_case(cpu_kernels, tmp_path):
+    if "avx512_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    script = "import mlx_infer\nfrom mlx_infer.kernels import cpu\nassert cpu.isa() == 'avx512vnni', cpu.isa()\n"
+    run_in_variant(script, "AVX512VNNI", tmp_path)
+
+
 @pytest.mark.parametrize("variant", ["avx512vnni", "avx2int8", "avx512", "avx2", "generic"])
 def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
     """The int8-activation variants (against numpy's int8 product's bound), the AVX-512, AVX2 and portable
