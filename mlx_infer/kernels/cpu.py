@@ -16,8 +16,8 @@ recorded and not retried until the sources, MLX or the tools change), `available
 
 `MLX_INFER_KERNELS=off` turns the kernels off (the reference runs); `MLX_INFER_KERNEL_THREADS` and
 `MLX_INFER_KERNEL_ISA` (avx512, avx2, generic; avx512vnni and avx2int8 for the int8-activation
-products, docs/kernels.md) pick the threads and instruction set. The environment is read
-once per process (`refresh()` reads it again).
+products, docs/kernels.md; a value naming none counts as unset, with a warning) pick the threads and
+instruction set. The environment is read once per process (`refresh()` reads it again).
 """
 
 import atexit
