@@ -21,7 +21,7 @@ import mlx.core as mx
 from . import cpu
 from .gpu_attention import ATTN_GPU_MAX_ROWS, ATTN_HEAD_DIMS, cuda_quant_attention, metal_quant_attention
 from .gpu_qmm import cuda_available, metal_available
-from .paged_attention import PAGED_MAX_QUERIES
+from .paged_attention import in_query_blocks
 from .prefill_attention import PREFILL_MIN_QUERIES, prefill_attention
 
 #: Most query rows per KV head the CPU kernel takes (n_rep * L: GQA group times verify width) for any
@@ -91,19 +91,17 @@ def reference_quant_attention(q: mx.array, keys: Packed, values: Packed, length:
 def _in_position_blocks(q: mx.array, keys: Packed, values: Packed, length: int, scale: float, positions: int,
                         group_size: int, k_bits: int, v_bits: int) -> mx.array:
     """The CPU kernel over blocks of at most PAGED_MAX_QUERIES of the query positions (quant_attention's
-    operands): [n_kv, R, Dv]. Each row comes out as a decode step at its position computes it (the kernel's
-    tiles and splits lie at fixed key positions, and keys a row does not see add exact zeros)."""
+    operands; in_query_blocks): [n_kv, R, Dv], each row as a decode step at its position computes it."""
     n_kv, R, D = q.shape
-    n_rep = R // positions
-    grouped = q.reshape(n_kv, n_rep, positions, D)  # row r of q is position r % positions
-    blocks = []
-    for i in range(0, positions, PAGED_MAX_QUERIES):
-        n = min(PAGED_MAX_QUERIES, positions - i)
-        qb = grouped[:, :, i:i + n].reshape(n_kv, n_rep * n, D)
-        out = cpu.cpu_quant_attention(qb, keys, values, length - positions + i + n, scale, n, group_size, k_bits,
-                                      v_bits)  # [n_kv, n_rep * n, Dv]
-        blocks.append(out.reshape(n_kv, n_rep, n, -1))
-    return mx.concatenate(blocks, axis=2).reshape(n_kv, R, -1)  # [n_kv, R, Dv]
+    grouped = q.reshape(n_kv, R // positions, positions, D)  # row r of q is position r % positions
+
+    def block(qb: mx.array, i: int) -> mx.array:  # qb [n_kv, n_rep, n, D], positions i .. i + n - 1
+        n_rep, n = qb.shape[1], qb.shape[2]
+        out = cpu.cpu_quant_attention(qb.reshape(n_kv, n_rep * n, D), keys, values, length - positions + i + n,
+                                      scale, n, group_size, k_bits, v_bits)  # [n_kv, n_rep * n, Dv]
+        return out.reshape(n_kv, n_rep, n, -1)
+
+    return in_query_blocks(block, grouped).reshape(n_kv, R, -1)  # [n_kv, R, Dv]
 
 
 def quant_attention(q: mx.array, keys: Packed, values: Packed, length: int, scale: float, positions: int,

@@ -28,8 +28,9 @@ PAGED_MAX_QUERIES = 16
 #: The kernel's head dims (D and Dv) are multiples of this (its widest vector).
 PAGED_HEAD_DIM_MULTIPLE = 16
 
-__all__ = ["PAGED_MAX_QUERIES", "packed_row_bits", "paged_attention", "paged_attention_backend", "paged_kernel_fits",
-           "paged_quant_attention", "reference_paged_attention", "reference_paged_quant_attention", "visible_keys"]
+__all__ = ["PAGED_MAX_QUERIES", "in_query_blocks", "packed_row_bits", "paged_attention", "paged_attention_backend",
+           "paged_kernel_fits", "paged_quant_attention", "reference_paged_attention",
+           "reference_paged_quant_attention", "visible_keys"]
 
 
 def paged_attention_backend() -> str:
@@ -143,16 +144,15 @@ def _check_packed(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.arr
                              f"head dim, the same rows as the keys)")
 
 
-def _in_query_blocks(run, q: mx.array, q_pos: mx.array) -> mx.array:
-    """run(q_block, q_pos_block) -> [B, n_q, Lb, Dv] over blocks of at most PAGED_MAX_QUERIES of q's L
-    positions (q [B, n_q, L, D], q_pos int32 [B, L]), concatenated along L: a wider forward on the kernel
-    computes each row exactly as a decode step does (the kernel's tiles and splits lie at fixed key
-    positions, and keys a row does not see add exact zeros)."""
+def in_query_blocks(run, q: mx.array) -> mx.array:
+    """run(q_block, start) -> [B, n_q, Lb, Dv] over blocks of at most PAGED_MAX_QUERIES of q's L positions
+    (q [B, n_q, L, D]; a block holds positions start .. start + Lb - 1), concatenated along L: a wider
+    forward on the kernels computes each row exactly as a decode step does (their tiles and splits lie at
+    fixed key positions, and keys a row does not see add exact zeros)."""
     L = q.shape[2]
     if L <= PAGED_MAX_QUERIES:
-        return run(q, q_pos)
-    blocks = [run(q[:, :, i:i + PAGED_MAX_QUERIES], q_pos[:, i:i + PAGED_MAX_QUERIES])
-              for i in range(0, L, PAGED_MAX_QUERIES)]  # each [B, n_q, Lb, Dv]
+        return run(q, 0)
+    blocks = [run(q[:, :, i:i + PAGED_MAX_QUERIES], i) for i in range(0, L, PAGED_MAX_QUERIES)]  # [B, n_q, Lb, Dv]
     return mx.concatenate(blocks, axis=2)  # [B, n_q, L, Dv]
 
 
@@ -179,8 +179,8 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
     _check_packed(q, keys, values, group_size)
     dim, v_dim = keys[1].shape[1] * group_size, values[1].shape[1] * group_size
     if q.ndim == 4 and paged_kernel_fits(q.shape[2], dim, v_dim):
-        return _in_query_blocks(lambda qb, pb: cpu.cpu_paged_quant_attention(
-            qb, keys, values, index, lengths, pb, k_pos, scale, group_size, window), q, q_pos)  # checks
+        return in_query_blocks(lambda qb, i: cpu.cpu_paged_quant_attention(
+            qb, keys, values, index, lengths, q_pos[:, i:i + qb.shape[2]], k_pos, scale, group_size, window), q)
     _check(q, (keys[0].shape[0], dim), (values[0].shape[0], v_dim), index, lengths, q_pos, k_pos, window)
     return reference_paged_quant_attention(q, keys, values, index, lengths, q_pos, k_pos, scale, group_size, window)
 
@@ -209,8 +209,8 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
         ValueError: shapes or dtypes that do not agree, or window < 0.
     """
     if q.ndim == 4 and v_pool.ndim == 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[1]):
-        return _in_query_blocks(lambda qb, pb: cpu.cpu_paged_attention(
-            qb, k_pool, v_pool, index, lengths, pb, k_pos, scale, window), q, q_pos)  # checks
+        return in_query_blocks(lambda qb, i: cpu.cpu_paged_attention(
+            qb, k_pool, v_pool, index, lengths, q_pos[:, i:i + qb.shape[2]], k_pos, scale, window), q)  # checks
     _check(q, tuple(k_pool.shape), tuple(v_pool.shape), index, lengths, q_pos, k_pos, window)
     return reference_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)
 
