@@ -32,7 +32,16 @@ namespace {
 #endif
 
 constexpr int kQ8Chunk = 32;  // x values per int8 scale
+// How far ahead of the codes being read the weight stream is prefetched (bytes), and into which cache:
+// L2 (T1). Measured on a Zen 4 VM (the default model's 8-bit output head and its 210 4-bit layer
+// products, one row, 2 threads, variants interleaved in one process): the head 1.18-1.24 ms and the layers
+// 5.30-5.45 ms with T1 / T2 hints at 8-16 KiB, against 1.70 and 6.11 ms with the non-temporal hint (NTA)
+// and 2.44 / 7.27 ms with no software prefetch.
 constexpr int64_t kQ8PrefetchBytes = 16384;
+
+__attribute__((always_inline)) inline void q8_prefetch(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kQ8PrefetchBytes, _MM_HINT_T1);
+}
 
 inline float q8_param(const void* p, int64_t i, Dtype dt) {
   switch (dt) {
@@ -163,7 +172,7 @@ __attribute__((always_inline)) inline void q8_step4(const QmmArgs& a, const uint
   MLX_INFER_Q8_UNROLL
   for (int j = 0; j < NB; ++j) {
     const uint8_t* wc = w + j * row_bytes + int64_t(c) * 16;
-    __builtin_prefetch(wc + kQ8PrefetchBytes, 0, 0);
+    q8_prefetch(wc);
     I lo, hi;
     S::template codes4<TAIL>(wc, cn, lo, hi);
     const F dv = S::lane_scales(q8_scales4<DT, S::C4, TAIL>(a.scales, (n + j) * groups, c, cpg, cn));
@@ -192,7 +201,7 @@ __attribute__((always_inline)) inline void q8_step8(const QmmArgs& a, const uint
   MLX_INFER_Q8_UNROLL
   for (int j = 0; j < NB; ++j) {
     const uint8_t* wc = w + j * row_bytes + int64_t(c) * kQ8Chunk;
-    __builtin_prefetch(wc + kQ8PrefetchBytes, 0, 0);
+    q8_prefetch(wc);
     const I q = S::template codes8<ONE>(wc);
     const int64_t s0 = (n + j) * groups;
     const float d0 = q8_scale<DT>(a.scales, s0 + c / cpg);
