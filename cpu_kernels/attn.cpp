@@ -291,19 +291,20 @@ mx::array paged_attention(
     int window,
     mx::StreamOrDevice s) {
   check_paged_q(q);
-  if (k_pool.ndim() != 2 || v_pool.ndim() != 2 || k_pool.shape(0) != v_pool.shape(0) ||
-      k_pool.dtype() != v_pool.dtype()) {
-    throw std::invalid_argument("[paged_attention] k_pool and v_pool must be [rows, D] and [rows, Dv] of one dtype, got " +
+  // the pools' leading dims, one row per combination (a dense cache's buffer [B, n_kv, capacity, D] as it is)
+  if (k_pool.ndim() < 2 || v_pool.ndim() != k_pool.ndim() || k_pool.dtype() != v_pool.dtype() ||
+      !std::equal(k_pool.shape().begin(), k_pool.shape().end() - 1, v_pool.shape().begin())) {
+    throw std::invalid_argument("[paged_attention] k_pool and v_pool must be [rows..., D] and [rows..., Dv] of one dtype, got " +
                                 shape_str(k_pool) + " and " + shape_str(v_pool));
   }
   to_kernel_dtype(k_pool.dtype(), "k_pool");
-  check_paged_operands(q, k_pool.shape(1), v_pool.shape(1), index, lengths, q_pos, k_pos, window,
+  check_paged_operands(q, k_pool.shape(-1), v_pool.shape(-1), index, lengths, q_pos, k_pos, window,
                        "k_pool " + shape_str(k_pool));
   mx::Stream stream = cpu_stream(s);
   // The operands go in as they are (a lazily computed one would need a copy operation in the graph to be
   // known row-contiguous now): eval_cpu reads each through contiguous_data.
   return mx::array(
-      {q.shape(0), q.shape(1), q.shape(2), v_pool.shape(1)}, q.dtype(), std::make_shared<PagedAttention>(stream, scale, window),
+      {q.shape(0), q.shape(1), q.shape(2), v_pool.shape(-1)}, q.dtype(), std::make_shared<PagedAttention>(stream, scale, window),
       {mx::astype(q, mx::float32, stream), k_pool, v_pool, index, lengths, q_pos, k_pos});
 }
 
@@ -369,7 +370,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const int at = quant ? 7 : 3;  // where index, lengths, q_pos, k_pos start
   const mx::array& index = inputs[at];
   PagedAttnArgs a{};
-  a.rows = inputs[1].shape(0);
+  a.rows = int64_t(inputs[1].size()) / inputs[1].shape(-1);  // pool rows: the leading dims together
   a.n_kv = index.shape(1);
   a.L = inputs[0].shape(2);
   a.R = inputs[0].shape(1) / a.n_kv * a.L;

@@ -59,7 +59,9 @@ class QuantAttention : public mx::Primitive {
 
 // out [B, n_q, L, Dv] in q's dtype (accumulated in float32): softmax(scale * q k^T) v of each request b over
 // its live tokens in a paged pool, read through the token table's rows (no gather). q [B, n_q, L, D]
-// float32/float16/bfloat16; k_pool [rows, D] and v_pool [rows, Dv] one dtype (float32/float16/bfloat16),
+// float32/float16/bfloat16; k_pool [rows, D] and v_pool [rows, Dv] one dtype (float32/float16/bfloat16;
+// any leading dims, the same for both, taken together as the rows: [B, n_kv, capacity, D] is B * n_kv *
+// capacity rows),
 // D and Dv multiples of 16; index int32 [B, n_kv, S] the pool rows of request b's live tokens for KV head
 // h (n_q a multiple of n_kv: query head g reads KV head g / (n_q / n_kv)), its first lengths[b] (int32 [B])
 // entries used; q_pos int32 [B, L], k_pos int32 [B, S] original positions: query l sees key t iff

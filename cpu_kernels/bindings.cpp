@@ -52,6 +52,10 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("rope", &mlx_infer_kernels::rope, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "freqs"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rope of x [B, ..., T, D] at positions (t + offset) * scale (see rope.h).");
+  m.def("rope_heads", &mlx_infer_kernels::rope_heads, "q"_a, "k"_a, "v"_a, "offset"_a, "n_q"_a, "n_kv"_a, "dims"_a,
+        "traditional"_a, "base"_a, "scale"_a, "freqs"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "[q [B, n_q, T, D], k [B, n_kv, T, D], v [B, n_kv, T, Dv]]: attention's heads from q [B, T, n_q * D], "
+        "k, v, with q and k rotated as rope() rotates them (see rope.h).");
   m.def("swiglu", &mlx_infer_kernels::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y = gate * sigmoid(gate) * up, float32 (SwiGLU's gate, see swiglu.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");

@@ -83,7 +83,142 @@ void rope_all(const RopeArgs& a, const T* x, T* y) {
   });
 }
 
+template <class T>
+void rope_all_typed(const RopeArgs& a, const mx::array& x, mx::array& out) {
+  rope_all<T>(a, x.data<T>(), out.data<T>());
+}
+
+// rope_all over x's dtype.
+void rope_any(const RopeArgs& a, const mx::array& x, mx::array& out) {
+  switch (x.dtype()) {
+    case mx::float32:
+      rope_all_typed<float>(a, x, out);
+      break;
+    case mx::float16:
+      rope_all_typed<mx::float16_t>(a, x, out);
+      break;
+    default:
+      rope_all_typed<mx::bfloat16_t>(a, x, out);
+  }
+}
+
+// The inverse frequencies [dims / 2] float32: 1 / freqs, else base^(-i / (dims / 2)) computed on the host.
+mx::array inv_freq_of(int dims, float base, const std::optional<mx::array>& freqs, mx::Stream stream) {
+  const int half = dims / 2;
+  if (freqs) {
+    if (freqs->ndim() != 1 || freqs->shape(0) != half) {
+      throw std::invalid_argument("[rope] freqs must be [" + std::to_string(half) + "], got " + shape_str(*freqs));
+    }
+    return row_contiguous(mx::reciprocal(mx::astype(*freqs, mx::float32, stream), stream), stream);
+  }
+  // base^(-i / half) = exp(-i * (log(base) / half)), in float32 as MLX's fallback
+  std::vector<float> f(half);
+  const float step = std::log(base) / float(half);
+  for (int i = 0; i < half; ++i) f[i] = std::exp(float(-i) * step);
+  return mx::array(f.begin(), mx::Shape{half}, mx::float32);
+}
+
+// offset as int32 scalar or [B]; throws std::invalid_argument on another shape or a non-integer dtype.
+mx::array offset_of(const mx::array& offset, int B, mx::Stream stream) {
+  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != size_t(B)) ||
+      !mx::issubdtype(offset.dtype(), mx::integer)) {
+    throw std::invalid_argument("[rope] offset must be an integer scalar or [" + std::to_string(B) + "], got " +
+                                shape_str(offset));
+  }
+  return row_contiguous(offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, stream), stream);
+}
+
+// The rows (b, n, t) of head n of x [B, T, N * D] (any strides), as rope_rows reads them.
+std::vector<int64_t> head_rows(const mx::array& x, int64_t N, int64_t D) {
+  const int64_t B = x.shape(0), T = x.shape(1);
+  const auto& st = x.strides();
+  std::vector<int64_t> rows(size_t(B * N * T));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t t = 0; t < T; ++t) rows[size_t((b * N + n) * T + t)] = b * st[0] + t * st[1] + n * D * st[2];
+    }
+  }
+  return rows;
+}
+
 }  // namespace
+
+std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& offset,
+                                  int n_q, int n_kv, int dims, bool traditional, float base, float scale,
+                                  const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
+  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || !is_float_type(q.dtype()) || k.dtype() != q.dtype() ||
+      v.dtype() != q.dtype()) {
+    throw std::invalid_argument("[rope_heads] q, k, v must be [B, T, heads * D] of one float dtype, got " +
+                                shape_str(q) + ", " + shape_str(k) + ", " + shape_str(v));
+  }
+  if (n_q <= 0 || n_kv <= 0 || q.shape(2) % n_q != 0 || k.shape(2) % n_kv != 0 || v.shape(2) % n_kv != 0 ||
+      q.shape(2) / n_q != k.shape(2) / n_kv || k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) ||
+      k.shape(1) != q.shape(1) || v.shape(1) != q.shape(1)) {
+    throw std::invalid_argument("[rope_heads] " + std::to_string(n_q) + " query and " + std::to_string(n_kv) +
+                                " key / value heads do not split " + shape_str(q) + ", " + shape_str(k) + ", " +
+                                shape_str(v));
+  }
+  const int B = q.shape(0), T = q.shape(1), D = q.shape(2) / n_q, Dv = v.shape(2) / n_kv;
+  if (dims <= 0 || dims % 2 != 0 || dims > D) {
+    throw std::invalid_argument("[rope_heads] dims must be even, positive and at most " + std::to_string(D) +
+                                ", got " + std::to_string(dims));
+  }
+  mx::Stream stream = cpu_stream(s);
+  return mx::array::make_arrays(
+      {mx::Shape{B, n_q, T, D}, mx::Shape{B, n_kv, T, D}, mx::Shape{B, n_kv, T, Dv}}, {q.dtype(), q.dtype(), q.dtype()},
+      std::make_shared<RopeHeads>(stream, n_q, n_kv, dims, traditional, scale),
+      {q, k, v, offset_of(offset, B, stream), inv_freq_of(dims, base, freqs, stream)});
+}
+
+void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& offset = inputs[3];
+  const mx::array& inv_freq = inputs[4];
+  require_row_contiguous(offset, "offset");
+  require_row_contiguous(inv_freq, "inv_freq");
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const mx::array& in : inputs) encoder.set_input_array(in);
+  for (mx::array& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  RopeArgs a{};
+  a.B = inputs[0].shape(0);
+  a.T = inputs[0].shape(1);
+  a.traditional = traditional_;
+  a.scale = scale_;
+  a.offset = offset.data<int32_t>();
+  a.n_offsets = int64_t(offset.size());
+  a.inv_freq = inv_freq.data<float>();
+  const int heads[3] = {n_q_, n_kv_, n_kv_};
+  encoder.dispatch([a, heads, dims = dims_, ins = inputs, outs = outputs]() mutable {
+    for (int i = 0; i < 3; ++i) {  // q and k rotated, v copied (rope over 0 features)
+      RopeArgs h = a;
+      h.N = heads[i];
+      h.D = ins[i].shape(2) / heads[i];
+      h.sd = ins[i].strides()[2];
+      h.dims = i < 2 ? dims : 0;
+      const std::vector<int64_t> rows = head_rows(ins[i], h.N, h.D);
+      h.rows = rows.data();
+      rope_any(h, ins[i], outs[i]);
+    }
+  });
+}
+
+void RopeHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[rope_heads] the mlx-infer CPU kernels have no GPU implementation");
+}
+
+bool RopeHeads::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RopeHeads&>(other);
+  return n_q_ == o.n_q_ && n_kv_ == o.n_kv_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
+         scale_ == o.scale_;
+}
+
+std::vector<mx::Shape> RopeHeads::output_shapes(const std::vector<mx::array>& inputs) {
+  const int B = inputs[0].shape(0), T = inputs[0].shape(1);
+  return {mx::Shape{B, n_q_, T, inputs[0].shape(2) / n_q_}, mx::Shape{B, n_kv_, T, inputs[1].shape(2) / n_kv_},
+          mx::Shape{B, n_kv_, T, inputs[2].shape(2) / n_kv_}};
+}
 
 mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool traditional, float base, float scale,
                const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
@@ -94,27 +229,9 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool tradi
     throw std::invalid_argument("[rope] dims must be even, positive and at most " + std::to_string(x.shape(-1)) +
                                 ", got " + std::to_string(dims));
   }
-  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != size_t(x.shape(0))) ||
-      !mx::issubdtype(offset.dtype(), mx::integer)) {
-    throw std::invalid_argument("[rope] offset must be an integer scalar or [" + std::to_string(x.shape(0)) +
-                                "], got " + shape_str(offset));
-  }
-  if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != dims / 2)) {
-    throw std::invalid_argument("[rope] freqs must be [" + std::to_string(dims / 2) + "], got " + shape_str(*freqs));
-  }
   mx::Stream stream = cpu_stream(s);
-  const int half = dims / 2;
-  mx::array inv_freq = [&]() {
-    if (freqs) return mx::reciprocal(mx::astype(*freqs, mx::float32, stream), stream);
-    // base^(-i / half) = exp(-i * (log(base) / half)), in float32 as MLX's fallback
-    std::vector<float> f(half);
-    const float step = std::log(base) / float(half);
-    for (int i = 0; i < half; ++i) f[i] = std::exp(float(-i) * step);
-    return mx::array(f.begin(), mx::Shape{half}, mx::float32);
-  }();
   return mx::array(x.shape(), x.dtype(), std::make_shared<Rope>(stream, dims, traditional, scale),
-                   {x, row_contiguous(offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, stream), stream),
-                    row_contiguous(inv_freq, stream)});
+                   {x, offset_of(offset, x.shape(0), stream), inv_freq_of(dims, base, freqs, stream)});
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -145,16 +262,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   encoder.dispatch([a, x, out]() mutable {
     const std::vector<int64_t> rows = row_offsets(x);
     a.rows = rows.data();
-    switch (x.dtype()) {
-      case mx::float32:
-        rope_all<float>(a, x.data<float>(), out.data<float>());
-        break;
-      case mx::float16:
-        rope_all<mx::float16_t>(a, x.data<mx::float16_t>(), out.data<mx::float16_t>());
-        break;
-      default:
-        rope_all<mx::bfloat16_t>(a, x.data<mx::bfloat16_t>(), out.data<mx::bfloat16_t>());
-    }
+    rope_any(a, x, out);
   });
 }
 

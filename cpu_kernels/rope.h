@@ -23,6 +23,31 @@ namespace mx = mlx::core;
 mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool traditional, float base, float scale,
                const std::optional<mx::array>& freqs = std::nullopt, mx::StreamOrDevice s = {});
 
+// Attention's heads from its input projections, RoPE applied, in one operation (it replaces 3 reshapes, 3
+// transposes and 2 rope operations per layer): q [B, T, n_q * D], k [B, T, n_kv * D], v [B, T, n_kv * Dv]
+// (one float dtype, any strides) -> [q [B, n_q, T, D], k [B, n_kv, T, D], v [B, n_kv, T, Dv]], row-contiguous,
+// q and k rotated exactly as rope() rotates them (same arguments), v copied.
+// Throws std::invalid_argument on dtypes, shapes, head counts or dims that do not agree, or a GPU stream.
+std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& offset,
+                                  int n_q, int n_kv, int dims, bool traditional, float base, float scale,
+                                  const std::optional<mx::array>& freqs = std::nullopt, mx::StreamOrDevice s = {});
+
+class RopeHeads : public mx::Primitive {
+ public:
+  RopeHeads(mx::Stream stream, int n_q, int n_kv, int dims, bool traditional, float scale)
+      : mx::Primitive(stream), n_q_(n_q), n_kv_(n_kv), dims_(dims), traditional_(traditional), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxInferRopeHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int n_q_, n_kv_, dims_;
+  bool traditional_;
+  float scale_;
+};
+
 class Rope : public mx::Primitive {
  public:
   // (the base enters as the inv_freq input, not as a parameter)

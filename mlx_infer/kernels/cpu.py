@@ -482,6 +482,7 @@ def cpu_paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: 
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
         k_pool: [rows, D] one layer's keys of the pool (BlockPool.layer_kv(layer)[0]: row = head * slots + slot).
         v_pool: [rows, Dv] its values, k_pool's dtype (float32 / float16 / bfloat16); D, Dv multiples of 16.
+            Both may have more leading dims (the same), taken together as the rows.
         index: int32 [B, n_kv, S] pool rows of request b's live tokens for KV head h, right-padded (n_q a
             multiple of n_kv: query head g reads KV head g // (n_q // n_kv)).
         lengths: int32 [B] live tokens of each request (entries of index past lengths[b] are not read).
@@ -631,3 +632,26 @@ def cpu_rope(x: mx.array, dims: int, traditional: bool, base: Optional[float], s
     if not isinstance(offset, mx.array):
         offset = mx.array(offset, dtype=mx.int32)
     return _module().rope(x, offset, dims, traditional, 1.0 if base is None else base, scale, freqs, stream=mx.cpu)
+
+
+def cpu_rope_heads(q: mx.array, k: mx.array, v: mx.array, n_q: int, n_kv: int, dims: int, traditional: bool,
+                   base: Optional[float], scale: float, offset, freqs: Optional[mx.array] = None) -> tuple:
+    """Attention's heads from its input projections, q and k rotated as `cpu_rope` rotates them, as one
+    operation on the CPU kernel (it replaces 3 reshapes, 3 transposes and 2 rope operations).
+
+    Args:
+        q: [B, T, n_q * D], k: [B, T, n_kv * D], v: [B, T, n_kv * Dv], one float dtype, any strides.
+        n_q, n_kv: query and key / value heads.
+        dims, traditional, base, scale, offset, freqs: as `cpu_rope`.
+
+    Returns:
+        (q [B, n_q, T, D], k [B, n_kv, T, D], v [B, n_kv, T, Dv]) row-contiguous, in q's dtype.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: dtypes, shapes, head counts, dims, offset or freqs that do not agree.
+    """
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    return tuple(_module().rope_heads(q, k, v, offset, n_q, n_kv, dims, traditional, 1.0 if base is None else base,
+                                      scale, freqs, stream=mx.cpu))

@@ -13,7 +13,7 @@ from mlx.utils import tree_map_with_path
 
 from .qmm import qmm
 from .rms_norm import KernelRMSNorm
-from .rope import KernelRoPE
+from .rope import ROPE_ATTENTIONS, KernelRoPE, KernelRoPEAttention
 from .swiglu import SWIGLU_MLPS, KernelSwiGLUMLP
 
 #: What the kernels take: MLX's affine mode at these bit widths and group sizes.
@@ -88,7 +88,8 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
 
 def use_kernels(model: nn.Module) -> int:
     """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support, every
-    nn.RMSNorm and nn.RoPE, and every SwiGLU MLP of mlx-lm's llama / qwen2 / qwen3, for its kernel twin, in
+    nn.RMSNorm and nn.RoPE, every SwiGLU MLP of mlx-lm's llama / qwen2 / qwen3 and every llama / qwen2
+    attention block whose RoPE is an nn.RoPE, for its kernel twin, in
     place (same arrays; layers already swapped, unsupported or of other classes, such as a model's own norm
     class, are left as they are).
 
@@ -110,4 +111,9 @@ def use_kernels(model: nn.Module) -> int:
 
     leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
+    for _, parent in model.named_modules():  # after the leaves: the attention's rope is a KernelRoPE now
+        for key, child in parent.children().items():
+            if type(child) in ROPE_ATTENTIONS and isinstance(child.rope, KernelRoPE):
+                setattr(parent, key, KernelRoPEAttention(child))
+                swapped += 1
     return swapped

@@ -193,7 +193,9 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
-        k_pool: [rows, D] one layer's keys of the pool (BlockPool.layer_kv(layer)[0]); v_pool: [rows, Dv], one dtype.
+        k_pool: [rows, D] one layer's keys of the pool (BlockPool.layer_kv(layer)[0]); v_pool: [rows, Dv], one dtype
+            (or any leading dims, the same for both, taken together as the rows, such as a dense cache's
+            buffer [B, n_kv, capacity, D]: no reshape operation in the graph).
         index: int32 [B, n_kv, S] pool rows of request b's live tokens for KV head h, right-padded (query
             head g reads KV head g // (n_q // n_kv)).
         lengths: int32 [B] live tokens per request (index entries past them are not read).
@@ -208,9 +210,11 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
     Raises:
         ValueError: shapes or dtypes that do not agree, or window < 0.
     """
-    if q.ndim == 4 and v_pool.ndim == 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[1]):
+    if q.ndim == 4 and v_pool.ndim >= 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[-1]):
         return in_query_blocks(lambda qb, i: cpu.cpu_paged_attention(
             qb, k_pool, v_pool, index, lengths, q_pos[:, i:i + qb.shape[2]], k_pos, scale, window), q)  # checks
+    if k_pool.ndim > 2 and v_pool.ndim == k_pool.ndim and k_pool.shape[:-1] == v_pool.shape[:-1]:
+        k_pool, v_pool = k_pool.reshape(-1, k_pool.shape[-1]), v_pool.reshape(-1, v_pool.shape[-1])  # [rows, D]
     _check(q, tuple(k_pool.shape), tuple(v_pool.shape), index, lengths, q_pos, k_pos, window)
     return reference_paged_attention(q, k_pool, v_pool, index, lengths, q_pos, k_pos, scale, window)
 

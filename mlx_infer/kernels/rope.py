@@ -1,6 +1,8 @@
-"""Rotary position embedding (RoPE, arXiv 2104.09864) as one operation on the CPU kernel.
+"""Rotary position embedding (RoPE, arXiv 2104.09864) as one operation on the CPU kernel, and the
+attention block that splits its heads and rotates them in one operation.
 
     y = rope(x, dims, traditional, base, scale, offset)   # x [B, n_heads, T, D] -> the same shape
+    q, k, v = rope_heads(q, k, v, n_q, n_kv, rope, offset) # [B, T, heads * D] -> [B, heads, T, D]
 
 On MLX's CPU device `mx.fast.rope` has no fused implementation: it runs as 29 operations (arange, exp,
 cos, sin, broadcasts, slices, multiplies, a concatenate), about 70 us a call on the default model's
@@ -8,16 +10,27 @@ shapes, twice per layer per step. The CPU kernel (cpu_kernels/rope.cpp) is one o
 MLX's fallback computes (angles in float32, cos / sin rounded to x's dtype, each product and sum rounded
 in x's dtype), with the C library's cos / sin and the inverse frequencies computed once per call on the
 host. Elsewhere `mx.fast.rope` runs (fused on Metal and CUDA).
+
+mlx-lm's llama / qwen2 attention then reshapes and transposes each projection into heads: with RoPE, 8
+operations per layer, each costing MLX's CPU backend a few microseconds to schedule. `rope_heads` does all
+of it as one operation on the kernel, and `KernelRoPEAttention` is that attention block calling it.
 """
+
+import sys
 
 from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama, qwen2
 
 from . import cpu
 
-__all__ = ["KernelRoPE", "rope", "rope_backend"]
+__all__ = ["KernelRoPE", "KernelRoPEAttention", "ROPE_ATTENTIONS", "rope", "rope_backend", "rope_heads"]
+
+#: mlx-lm attention classes whose forward is exactly: q / k / v projections, heads, RoPE at the cache's
+#: offset, the cache's update, their module's `scaled_dot_product_attention`, o_proj.
+ROPE_ATTENTIONS = (llama.Attention, qwen2.Attention)
 
 
 def rope_backend() -> str:
@@ -46,3 +59,56 @@ class KernelRoPE(nn.RoPE):
 
     def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
         return rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+
+
+def rope_heads(q: mx.array, k: mx.array, v: mx.array, n_q: int, n_kv: int, rope_layer: nn.Module,
+               offset: Union[int, mx.array]) -> tuple:
+    """Attention's heads, q and k rotated by `rope_layer` at positions t + offset, as mlx-lm's attention
+    computes them: q [B, T, n_q * D], k [B, T, n_kv * D], v [B, T, n_kv * Dv] -> (q [B, n_q, T, D],
+    k [B, n_kv, T, D], v [B, n_kv, T, Dv]). One operation on the CPU kernel where it runs (a KernelRoPE, one
+    dtype), else reshapes, transposes and rope_layer(q), then rope_layer(k) (another rope module, such as the
+    query tap of kv/observe.py, sees the calls mlx-lm's attention makes). Raises ValueError on shapes that do
+    not split into the heads."""
+    B, T, _ = q.shape
+    if rope_backend() == "reference" or not isinstance(rope_layer, KernelRoPE) or not q.dtype == k.dtype == v.dtype:
+        q = q.reshape(B, T, n_q, -1).transpose(0, 2, 1, 3)  # [B, n_q, T, D]
+        k = k.reshape(B, T, n_kv, -1).transpose(0, 2, 1, 3)  # [B, n_kv, T, D]
+        v = v.reshape(B, T, n_kv, -1).transpose(0, 2, 1, 3)  # [B, n_kv, T, Dv]
+        return rope_layer(q, offset=offset), rope_layer(k, offset=offset), v
+    return cpu.cpu_rope_heads(q, k, v, n_q, n_kv, rope_layer.dims, rope_layer.traditional, rope_layer.base,
+                              rope_layer.scale, offset)
+
+
+class KernelRoPEAttention(nn.Module):
+    """An mlx-lm attention block (one of ROPE_ATTENTIONS, its RoPE a KernelRoPE) whose heads are split and
+    rotated by `rope_heads`: x [B, L, D] -> [B, L, D], the same computation. Holds the same q_proj / k_proj /
+    v_proj / o_proj and rope modules (same parameter names) and calls the `scaled_dot_product_attention` of
+    the block's mlx-lm module, as rebound there (kv/attention_hook.py)."""
+
+    def __init__(self, attn: nn.Module):
+        """Wrap `attn`'s modules without copying them. Raises ValueError when `attn` is not one of
+        ROPE_ATTENTIONS or its rope is not a KernelRoPE."""
+        if type(attn) not in ROPE_ATTENTIONS or not isinstance(attn.rope, KernelRoPE):
+            raise ValueError(f"not an mlx-lm RoPE attention on the kernels: {type(attn).__name__}")
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.rope = attn.rope
+        self._home = sys.modules[type(attn).__module__]
+
+    @property
+    def home(self):
+        """The mlx-lm model module whose `scaled_dot_product_attention` this block calls (the wrapped block's)."""
+        return self._home
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        offset = 0 if cache is None else cache.offset
+        q, k, v = rope_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.n_heads, self.n_kv_heads,
+                             self.rope, offset)  # [B, heads, L, D]
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = self._home.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        if L > 1:  # (one position: [B, n_q, 1, Dv] reshapes to [B, 1, n_q * Dv] in the same order)
+            out = out.transpose(0, 2, 1, 3)  # [B, L, n_q, Dv]
+        return self.o_proj(out.reshape(B, L, -1))  # [B, L, n_q * Dv] -> [B, L, D]

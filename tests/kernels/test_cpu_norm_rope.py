@@ -1,7 +1,8 @@
 """RMSNorm and RoPE on the CPU kernel (cpu_kernels/rms_norm.cpp, rope.cpp; kernels/rms_norm.py, rope.py)
 against float64 NumPy oracles, next to MLX's own mx.fast ops (which MLX's CPU backend runs as 11 and 29
 separate operations): every dtype, strided inputs, partial rotation, per-request offsets, frequencies;
-one operation each in the graph; bad arguments rejected."""
+one operation each in the graph; bad arguments rejected. rope_heads (attention's heads split and rotated
+in one operation) against the same oracle and against rope over mlx-lm's reshaped heads."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,7 +10,9 @@ import pytest
 from qmm_helpers import ops_in_graph
 
 from mlx_infer.kernels.rms_norm import rms_norm
-from mlx_infer.kernels.rope import rope
+import mlx.nn as nn
+
+from mlx_infer.kernels.rope import KernelRoPE, rope, rope_heads
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 #: Relative precision of each dtype (the spacing of numbers near 1).
@@ -122,3 +125,58 @@ def test_bad_arguments_are_rejected(cpu_kernels):
         rms_norm(x, mx.ones((32,)), 1e-5)
     with pytest.raises(ValueError, match="float"):
         rms_norm(mx.zeros((2, 64), dtype=mx.int32), mx.ones((64,)), 1e-5)
+
+
+def heads(x: mx.array, n: int) -> mx.array:
+    """[B, T, n * D] -> [B, n, T, D], as mlx-lm's attention splits a projection."""
+    B, T, _ = x.shape
+    return x.reshape(B, T, n, -1).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+@pytest.mark.parametrize("offset", [0, 4000, "per-request"])
+@pytest.mark.parametrize("layout", ["projections", "slices of one"])
+def test_rope_heads_rotate_as_rope(cpu_kernels, dtype, traditional, dims, offset, layout):
+    rng = np.random.default_rng(4)
+    B, T, n_q, n_kv, D, Dv = 2, 5, 6, 2, 64, 32
+    widths = [n_q * D, n_kv * D, n_kv * Dv]
+    if layout == "projections":
+        q, k, v = (mx.array(rng.standard_normal((B, T, w))).astype(dtype) for w in widths)
+    else:  # one fused projection's output, cut into three strided views
+        qkv = mx.array(rng.standard_normal((B, T, sum(widths)))).astype(dtype)
+        q, k, v = qkv[..., :widths[0]], qkv[..., widths[0]:-widths[2]], qkv[..., -widths[2]:]
+    offsets = np.array([5, 300]) if offset == "per-request" else np.array([offset, offset])
+    off = mx.array(offsets.astype(np.int32)) if offset == "per-request" else offset
+    layer = KernelRoPE(nn.RoPE(dims, traditional=traditional, base=10000.0, scale=0.5))
+    got_q, got_k, got_v = rope_heads(q, k, v, n_q, n_kv, layer, off)
+    assert [a.shape for a in (got_q, got_k, got_v)] == [(B, n_q, T, D), (B, n_kv, T, D), (B, n_kv, T, Dv)]
+    assert {a.dtype for a in (got_q, got_k, got_v)} == {dtype}
+    # the same values as rope over the heads mlx-lm's attention builds, bit for bit
+    assert mx.array_equal(got_q, rope(heads(q, n_q), dims, traditional, 10000.0, 0.5, off)).item()
+    assert mx.array_equal(got_k, rope(heads(k, n_kv), dims, traditional, 10000.0, 0.5, off)).item()
+    assert mx.array_equal(got_v, heads(v, n_kv)).item()
+    # and within twice MLX's own error of the float64 oracle (both round the angle to float32, an error
+    # growing with the position, then take cos / sin of it: the C library's here, MLX's own there)
+    half = dims // 2
+    positions = (np.arange(T)[None, :] + offsets[:, None]) * 0.5
+    for got, x in ((got_q, heads(q, n_q)), (got_k, heads(k, n_kv))):
+        want = rope_oracle(f64(x), dims, traditional, 10000.0 ** (-np.arange(half) / half), positions)
+        ref = mx.fast.rope(x, dims, traditional=traditional, base=10000.0, scale=0.5, offset=off)
+        assert np.abs(f64(got) - want).max() <= 2 * np.abs(f64(ref) - want).max() + 4 * EPS[dtype]
+
+
+def test_rope_heads_is_one_operation_and_checks_its_arguments(cpu_kernels):
+    q, k, v = mx.random.normal((1, 1, 9 * 64)), mx.random.normal((1, 1, 3 * 64)), mx.random.normal((1, 1, 3 * 64))
+    mx.eval(q, k, v)
+    layer = KernelRoPE(nn.RoPE(64, base=10000.0))
+    out = rope_heads(q, k, v, 9, 3, layer, 12)
+    assert ops_in_graph(out[0]) == ["MlxInferRopeHeads"]
+    assert out[0].shape == (1, 9, 1, 64) and out[2].shape == (1, 3, 1, 64)
+    with pytest.raises(ValueError, match="heads"):
+        rope_heads(q, k, v, 4, 3, layer, 0)  # 9 * 64 features are not 4 heads of k's 64
+    with pytest.raises(ValueError, match="dims"):
+        rope_heads(q, k, v, 9, 3, KernelRoPE(nn.RoPE(66)), 0)
+    with pytest.raises(ValueError, match="offset"):
+        rope_heads(q, k, v, 9, 3, layer, mx.array([1, 2], dtype=mx.int32))

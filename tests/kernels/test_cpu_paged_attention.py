@@ -122,6 +122,18 @@ def test_dispatch_runs_the_kernel_for_decode_rows(cpu_kernels):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("L", [1, PAGED_MAX_QUERIES + 4])
+def test_pools_with_leading_dims_are_their_rows(cpu_kernels, L):
+    """Pools given as [2, 3, 2048, D] (a dense cache's buffer [B, n_kv, capacity, D]) are read as their
+    12,288 rows: the kernel's result equals, bit for bit, the one over the same pools reshaped to [rows, D],
+    and the reference path past PAGED_MAX_QUERIES takes them too."""
+    q, kp, vp, *rest = case_operands((90, 300), 3, 2, L, 64, 32, mx.float32, seed=7)
+    k4, v4 = kp.reshape(2, 3, 2048, 64), vp.reshape(2, 3, 2048, 32)
+    got = paged_attention(q, k4, v4, *rest, 0.125, 0)
+    assert mx.array_equal(got, paged_attention(q, kp, vp, *rest, 0.125, 0)).item()
+    assert_close(got, oracle(q, kp, vp, *rest, 0.125, 0), mx.float32)
+
+
 def bad(edit):
     """The operands of a good call (B 2, n_q 4, n_kv 2, L 1, S 8, D 64) with `edit` applied."""
     ops = dict(q=mx.zeros((2, 4, 1, 64)), k_pool=mx.zeros((32, 64)), v_pool=mx.zeros((32, 64)),
@@ -136,6 +148,7 @@ BAD = [
     (dict(q=mx.zeros((2, 4, 1, 64), mx.int32)), "q must be float32"),
     (dict(v_pool=mx.zeros((31, 64))), "k_pool and v_pool"),
     (dict(v_pool=mx.zeros((32, 64), mx.float16)), "k_pool and v_pool"),
+    (dict(k_pool=mx.zeros((2, 16, 64)), v_pool=mx.zeros((4, 8, 64))), "k_pool and v_pool"),
     (dict(k_pool=mx.zeros((32, 32))), "head dims"),
     (dict(q=mx.zeros((2, 4, 1, 24)), k_pool=mx.zeros((32, 24))), "multiples of 16"),
     (dict(q=mx.zeros((2, 3, 1, 64))), "multiple of n_kv"),

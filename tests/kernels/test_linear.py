@@ -18,6 +18,7 @@ from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kernels.linear import KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels
 from mlx_infer.kernels.rms_norm import KernelRMSNorm
+from mlx_infer.kernels.rope import KernelRoPEAttention
 
 #: Greedy tokens compared per prompt on the default model.
 GREEDY_TOKENS = 16
@@ -57,7 +58,8 @@ def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
 
     norms_and_ropes = [m for _, m in model.named_modules() if type(m) in (nn.RMSNorm, nn.RoPE)]
     assert len(norms_and_ropes) == 2 * 3 + 1  # 2 norms and a RoPE per layer, the final norm
-    assert use_kernels(model) == len(layers) + len(norms_and_ropes) + 2  # and an MLP per layer
+    assert use_kernels(model) == len(layers) + len(norms_and_ropes) + 2 + 2  # and an MLP, an attention per layer
+    assert [type(layer.self_attn) for layer in model.layers] == [KernelRoPEAttention] * 2
     assert quantized_layers(model) == []
     assert [type(m) for _, m in model.named_modules() if isinstance(m, (nn.RMSNorm, nn.RoPE))].count(KernelRMSNorm) == 5
     swapped = [m for _, m in model.named_modules() if isinstance(m, (KernelQuantizedLinear, KernelQuantizedEmbedding))]
@@ -72,6 +74,32 @@ def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
         assert mx.max(mx.abs(got - ref)).item() <= (INT8_LOGIT_TOL if int8 else 1e-4) * scale
         if not int8:
             assert mx.array_equal(got.argmax(-1), ref.argmax(-1)).item()
+
+
+def test_rope_attention_equals_mlx_lm_block(cpu_kernels):
+    """The default model's attention blocks run as KernelRoPEAttention; its logits over a prefill, a 3-token
+    verify and a decode step equal, bit for bit, those of mlx-lm's own attention block holding the same
+    modules."""
+    engine = mlx_infer.load(weights="native")
+    model = engine.model
+    assert {type(layer.self_attn) for layer in model.layers} == {KernelRoPEAttention}
+    ids = engine.encode("The quick brown fox jumps over the lazy dog. Once upon a time")
+
+    def forwards() -> list:
+        cache = make_prompt_cache(model)
+        outs = [model(mx.array([ids[:-3]]), cache=cache), model(mx.array([ids[-3:]]), cache=cache),
+                model(mx.array([[5]]), cache=cache)]
+        mx.eval(outs)
+        return outs
+
+    fused = forwards()
+    for layer in model.layers:
+        attn, block = layer.self_attn, llama.Attention(model.args)
+        block.q_proj, block.k_proj, block.v_proj, block.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        block.rope = attn.rope
+        layer.self_attn = block
+    for got, want in zip(fused, forwards()):
+        assert mx.array_equal(got, want).item()
 
 
 def test_layer_with_bias_and_unsupported_modes(cpu_kernels):
