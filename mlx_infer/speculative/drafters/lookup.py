@@ -1,36 +1,52 @@
 """Prompt lookup / n-gram drafting (arXiv 2311.03511): copy what followed the last earlier occurrence
-of the context's final n-gram, searched in the prompt and the text generated so far. Free: no model."""
+of the context's final n-gram, searched in the prompt and the text generated so far. Free: no model.
 
-from typing import Sequence
+The search runs over the ids packed as int32 bytes with `bytes.rfind` (C's substring search), not NumPy: it
+runs right after each verify forward's evaluation, and there the first NumPy calls took 0.4-0.8 ms on MLX's
+CPU backend (a Zen 4 VM: LookupDrafter.propose at a median of 594 us on copy-heavy prompts), for work of a few
+microseconds.
+"""
 
-import numpy as np
+from array import array
+from typing import List, Optional, Sequence
 
 from ...defaults import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 from .base import Draft, Drafter, Worth
 
+_ITEM = array("i").itemsize  # bytes per packed id (int32)
 
-def find_continuation(context: np.ndarray, n: int, limit: int) -> np.ndarray:
+
+def pack(context: Sequence[int]) -> bytes:
+    """The ids as int32 bytes, what find_continuation searches (token ids are below 2^31)."""
+    return array("i", context).tobytes()
+
+
+def find_continuation(context: Sequence[int], n: int, limit: int, packed: Optional[bytes] = None) -> List[int]:
     """Tokens that followed the most recent earlier occurrence of context's last n tokens.
 
     Args:
         context: [L] int token ids.
         n: n-gram length (>= 1).
         limit: most tokens to return.
+        packed: pack(context), when the caller has it (several n over one context).
 
     Returns:
         [<= limit] int ids (empty when the n-gram does not occur earlier, or nothing follows it).
     """
-    L = context.shape[0]
+    L = len(context)
     if L <= n or limit <= 0:
-        return context[:0]
-    pattern = context[L - n :]
-    # candidate starts s in [0, L - n - 1]: windows context[s:s+n] that end before the final n-gram's end
-    windows = np.lib.stride_tricks.sliding_window_view(context[: L - 1], n)  # [L - n, n]
-    hits = np.nonzero((windows == pattern).all(axis=1))[0]
-    if hits.size == 0:
-        return context[:0]
-    start = int(hits[-1]) + n
-    return context[start : start + limit]
+        return []
+    data = pack(context) if packed is None else packed
+    pattern = data[(L - n) * _ITEM:]
+    end = (L - 1) * _ITEM  # candidate windows lie inside context[:L - 1]: they end before the final n-gram does
+    while True:
+        pos = data.rfind(pattern, 0, end)
+        if pos < 0:
+            return []
+        if pos % _ITEM == 0:  # a match on id boundaries (others straddle two ids' bytes)
+            start = pos // _ITEM + n
+            return list(context[start:start + limit])
+        end = pos + len(pattern) - 1  # the next search: matches starting before pos
 
 
 class LookupDrafter(Drafter):
@@ -53,11 +69,12 @@ class LookupDrafter(Drafter):
     def propose(self, context: Sequence[int], gamma: int, worth: Worth = None) -> Draft:
         if gamma <= 0:
             return Draft([])
-        ctx = np.asarray(context, dtype=np.int64)
+        ctx = list(context)
+        packed = pack(ctx)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             limit = -(-gamma * n // self.max_ngram)
-            cont = find_continuation(ctx, n, limit)
-            if cont.size:
+            cont = find_continuation(ctx, n, limit, packed)
+            if cont:
                 return Draft([int(t) for t in cont], key=n)
         return Draft([])
 
@@ -65,9 +82,10 @@ class LookupDrafter(Drafter):
         """Match lengths n a proposal could have once an unknown token t is appended to `context`: n = 1
         whenever the context is not empty (t may occur earlier), n >= 2 only if the context's last n - 1
         tokens occur earlier with a token after them (t may be that token)."""
-        ctx = np.asarray(context, dtype=np.int64)
-        keys = {1} if ctx.size and self.min_ngram <= 1 else set()
+        ctx = list(context)
+        packed = pack(ctx)
+        keys = {1} if ctx and self.min_ngram <= 1 else set()
         for n in range(max(2, self.min_ngram), self.max_ngram + 1):
-            if find_continuation(ctx, n - 1, 1).size:
+            if find_continuation(ctx, n - 1, 1, packed):
                 keys.add(n)
         return keys
