@@ -67,7 +67,7 @@ SystemOpt = Annotated[Optional[str], typer.Option(
 #: --spec is a plain string checked by spec_kwargs against mlx_infer.speculative.MODES, so that a bad
 #: value gets the one-line error rather than typer's usage box.
 SpecOpt = Annotated[str, typer.Option(
-    "--spec", metavar="|".join(MODES), rich_help_panel=SPEC,
+    "--spec", "--speculative", metavar="|".join(MODES), rich_help_panel=SPEC,
     help="Drafter for lossless speculative decoding (greedy: the same output as plain decoding; sampling: "
          "the same distribution; faster when drafts are accepted): auto picks the best available and falls "
          "back to plain decoding where verifying several tokens costs as much as decoding them; off is plain "

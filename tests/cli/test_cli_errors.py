@@ -54,6 +54,7 @@ def test_unsupported_architecture(run_cli, unsupported_arch_gguf):
     (["generate", "hi", "--system", "Be brief.", "--no-chat-template"], "--system needs the chat template"),
     (["chat", "--top-p", "2"], "--top-p must be in (0, 1]"),
     (["generate", "hi", "--spec", "lookup", "--draft-model", "/missing"], "--spec lookup uses no --draft-model"),
+    (["generate", "hi", "--speculative", "lookup", "--draft-model", "/missing"], "--spec lookup uses no --draft-model"),
     (["chat", "--spec", "off", "--draft-model", "/missing"], "--spec off uses no --draft-model"),
     (["bench", "--spec", "off", "--spec", "lookup", "--draft-model", "/missing"], "--draft-model needs a --spec that uses it"),
 ])
