@@ -13,7 +13,9 @@ by the default device and what is available.
 - `move_rows`: the repacker's row moves inside a pool array (`move_rows.move_rows`), in place on the CPU
   kernel, a gather + scatter (a whole copy) elsewhere.
 - `rms_norm`, `rope`: RMSNorm and RoPE as one operation each on the CPU kernel (`KernelRMSNorm`,
-  `KernelRoPE`, swapped in by `linear.use_kernels`); MLX's CPU backend runs mx.fast's as 11 and 29.
+  `KernelRoPE`, swapped in by `linear.use_kernels`); MLX's CPU backend runs mx.fast's as 11 and 29. And
+  `rope.rope_heads`: attention's heads split and rotated as one operation (`KernelRoPEAttention`, swapped in
+  for mlx-lm's llama / qwen2 attention blocks).
 - `swiglu`: SwiGLU's gate, silu(gate) * up, as one operation on the CPU kernel (`KernelSwiGLUMLP`, swapped
   in by `linear.use_kernels` for mlx-lm's llama / qwen2 / qwen3 MLPs).
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
