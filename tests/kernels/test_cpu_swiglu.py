@@ -85,7 +85,7 @@ def test_use_kernels_swaps_swiglu_mlps(cpu_kernels):
     ids = mx.array([[3, 14, 15, 92, 65]])
     ref = model(ids)
     mlp_weight = model.model.layers[0].mlp.gate_proj.weight
-    assert use_kernels(model) == 2 + 2 * 3 + 1  # an MLP, 2 norms and a RoPE per layer; the final norm
+    assert use_kernels(model) == 2 + 2 * 4 + 1  # an MLP, 2 norms, a RoPE, an attention per layer; the final norm
     assert all(isinstance(layer.mlp, KernelSwiGLUMLP) for layer in model.model.layers)
     assert model.model.layers[0].mlp.gate_proj.weight is mlp_weight  # the same arrays
     assert "model.layers.0.mlp.gate_proj.weight" in dict(nn.utils.tree_flatten(model.parameters()))
