@@ -136,6 +136,8 @@ def collect() -> dict:
         "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "int8_activation_bits": list(cpu_kernels.int8_bits()) if backend_name == "cpu" and cpu_kernels.available() else [],
+        "int8_activation_variants": (list(cpu_kernels.int8_variants())
+                                     if backend_name == "cpu" and cpu_kernels.available() else []),
         "kernel_isa_unknown": cpu_kernels.unknown_isa_request(),
         "cache_dir": str(cache),
         "cache_unwritable": _unwritable(cache),
@@ -185,6 +187,10 @@ def render(info: dict) -> Table:
         bits = " and ".join(f"{b}-bit" for b in info["int8_activation_bits"])
         table.add_row("int8 activations", f"on for {bits} weights ({ISA_ENV}): x rounded to int8 per 32 values, "
                                           "faster decode, slightly lossy; unset it for float32 products")
+    elif info["int8_activation_variants"] and not info["kernels_missing"]:
+        table.add_row("int8 activations", f"off; this CPU can run them: {ISA_ENV}="
+                                          f"{info['int8_activation_variants'][0]} rounds x to int8 per 32 values "
+                                          "(llama.cpp's scheme): faster decode, slightly lossy (docs/kernels.md)")
     if info["kernel_isa_unknown"]:
         table.add_row("fix", f"[yellow]{ISA_ENV}={escape(info['kernel_isa_unknown'])} names no kernel variant "
                              f"(use one of {', '.join(ISA_CHOICES)}, or unset it); ignored[/yellow]")

@@ -61,5 +61,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("int8_bits", &mlx_infer_kernels::int8_bits,
         "The weight bit widths whose products round x to int8 in chunks of 32 (empty: all in float32).");
+  m.def("int8_variants", &mlx_infer_kernels::int8_variants,
+        "The int8-activation variants this CPU can run (MLX_INFER_KERNEL_ISA values), best first.");
   m.def("num_threads", &mlx_infer_kernels::num_threads, "Threads a product is split over.");
 }

@@ -235,6 +235,18 @@ std::string isa() {
   return kernel().name;
 }
 
+std::vector<std::string> int8_variants() {
+  std::vector<std::string> out;
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (avx512 && __builtin_cpu_supports("avx512vnni")) out.push_back("avx512vnni");  // as pick_kernel checks
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2int8");
+#endif
+  return out;
+}
+
 std::vector<int> int8_bits() {
   const QmmQ8Kernel* q8 = kernel().q8;
   if (!q8) return {};

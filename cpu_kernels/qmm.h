@@ -40,6 +40,8 @@ mx::array dequantize_f32(
 std::string isa();
 // The weight bit widths whose products run on the variant's int8-activation path (QmmQ8Kernel).
 std::vector<int> int8_bits();
+// The int8-activation variants this CPU can run ("avx512vnni", "avx2int8"; best first), whichever runs now.
+std::vector<std::string> int8_variants();
 
 // Threads the kernels split a product over (the caller included).
 int num_threads();

@@ -365,6 +365,16 @@ def int8_bits() -> tuple:
     return (_current or _load()).int8_bits
 
 
+def int8_variants() -> tuple:
+    """The int8-activation variants this CPU can run, best first ('avx512vnni', 'avx2int8': values of
+    $ISA_ENV), whichever variant runs now.
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+    """
+    return tuple(_module().int8_variants())
+
+
 def unknown_isa_request() -> Optional[str]:
     """$ISA_ENV's value when it names none of ISA_CHOICES (any case), else None. The kernels then run the
     best variant this CPU has, as with it unset; loading them warns once."""

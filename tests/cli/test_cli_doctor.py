@@ -2,6 +2,7 @@
 
 import json
 import platform
+import re
 
 import mlx.core as mx
 import pytest
@@ -47,6 +48,28 @@ def test_doctor_names_an_unknown_instruction_set(run_cli):
     warning = [line for line in proc.stderr.splitlines() if "MLX_INFER_KERNEL_ISA" in line]
     assert len(warning) == 1 and warning[0].startswith("warning: MLX_INFER_KERNEL_ISA=bogus names no kernel variant")
     assert "avx512vnni" in warning[0]  # the choices
+
+
+def test_doctor_offers_int8_activations_where_the_cpu_has_them(run_cli):
+    """Where the CPU can run an int8-activation variant and none was asked for, doctor names the setting
+    (the best one first); asked for, it says they are on."""
+    info = json.loads(run_cli("doctor", "--json", env=cli_env(MLX_INFER_KERNEL_ISA="")).stdout)
+    if info["backend"] != "cpu" or info["kernels_missing"]:
+        pytest.skip("the CPU kernels do not run here")
+    if platform.system() == "Linux" and platform.machine() == "x86_64":  # the CPU's flags, read independently
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+        avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+        assert ("avx512vnni" in info["int8_activation_variants"]) == (avx512 and "avx512_vnni" in flags)
+        assert ("avx2int8" in info["int8_activation_variants"]) == ({"avx2", "fma"} <= flags)
+    assert info["int8_activation_bits"] == []
+    text = run_cli("doctor", env=cli_env(MLX_INFER_KERNEL_ISA="")).stdout
+    if info["int8_activation_variants"]:
+        words = " ".join(re.sub(r"[│┃┆|]", " ", text).split())  # the table's cells, borders and wraps removed
+        assert f"MLX_INFER_KERNEL_ISA={info['int8_activation_variants'][0]}" in words
+        best = info["int8_activation_variants"][0]
+        on = json.loads(run_cli("doctor", "--json", env=cli_env(MLX_INFER_KERNEL_ISA=best)).stdout)
+        assert on["int8_activation_bits"] and on["kernels"] == f"cpu-{best}"
 
 
 def test_doctor_lists_cached_models(run_cli, tmp_path):
