@@ -115,6 +115,7 @@ def collect() -> dict:
         device_info = {}
     blas = backend.blas_in_use()
     slow_blas = platform.system() == "Linux" and backend_name == "cpu" and blas == "reference"
+    cpu_kernels_run = backend_name == "cpu" and cpu_kernels.available()
     cache = cache_dir()
     return {
         "mlx_infer_version": mlx_infer.__version__,
@@ -133,11 +134,10 @@ def collect() -> dict:
         "rmm_kernel": rmm_backend(),
         "paged_kv_kernels": {"attention": paged_attention_backend(), "repack": move_rows_backend()},
         "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend()},
-        "kernel_threads": cpu_kernels.num_threads() if backend_name == "cpu" and cpu_kernels.available() else None,
+        "kernel_threads": cpu_kernels.num_threads() if cpu_kernels_run else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
-        "int8_activation_bits": list(cpu_kernels.int8_bits()) if backend_name == "cpu" and cpu_kernels.available() else [],
-        "int8_activation_variants": (list(cpu_kernels.int8_variants())
-                                     if backend_name == "cpu" and cpu_kernels.available() else []),
+        "int8_activation_bits": list(cpu_kernels.int8_bits()) if cpu_kernels_run else [],
+        "int8_activation_variants": list(cpu_kernels.int8_variants()) if cpu_kernels_run else [],
         "kernel_isa_unknown": cpu_kernels.unknown_isa_request(),
         "cache_dir": str(cache),
         "cache_unwritable": _unwritable(cache),
@@ -187,7 +187,7 @@ def render(info: dict) -> Table:
         bits = " and ".join(f"{b}-bit" for b in info["int8_activation_bits"])
         table.add_row("int8 activations", f"on for {bits} weights ({ISA_ENV}): x rounded to int8 per 32 values, "
                                           "faster decode, slightly lossy; unset it for float32 products")
-    elif info["int8_activation_variants"] and not info["kernels_missing"]:
+    elif info["int8_activation_variants"]:
         table.add_row("int8 activations", f"off; this CPU can run them: {ISA_ENV}="
                                           f"{info['int8_activation_variants'][0]} rounds x to int8 per 32 values "
                                           "(llama.cpp's scheme): faster decode, slightly lossy (docs/kernels.md)")

@@ -18,6 +18,20 @@
 namespace mlx_infer_kernels {
 namespace {
 
+#if defined(__x86_64__) || defined(_M_X64)
+struct X86Features {
+  bool avx512, vnni, avx2;  // what the avx512 / avx512vnni / avx2 (and avx2int8) variants need
+};
+
+X86Features x86_features() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return {avx512, avx512 && __builtin_cpu_supports("avx512vnni"),
+          __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")};
+}
+#endif
+
 const QmmKernel& pick_kernel() {
   // "avx512", "avx2" or "generic" force a variant (a faster one the CPU lacks is skipped); "avx512vnni" and
   // "avx2int8" ask for the int8-activation product (qmm_q8_body.h), which is never picked unasked
@@ -29,11 +43,7 @@ const QmmKernel& pick_kernel() {
   const char* const known[] = {"avx512", "avx2", "generic", "avx512vnni", "avx2int8"};
   if (std::find(std::begin(known), std::end(known), w) == std::end(known)) w.clear();
 #if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const auto [avx512, vnni, avx2] = x86_features();
   if (vnni && w == "avx512vnni") return kernel_avx512_vnni();
   if (avx2 && w == "avx2int8") return kernel_avx2_int8();
   if (avx512 && (w.empty() || w == "avx512vnni" || w == "avx512")) return kernel_avx512();
@@ -238,11 +248,9 @@ std::string isa() {
 std::vector<std::string> int8_variants() {
   std::vector<std::string> out;
 #if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  if (avx512 && __builtin_cpu_supports("avx512vnni")) out.push_back("avx512vnni");  // as pick_kernel checks
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2int8");
+  const X86Features f = x86_features();
+  if (f.vnni) out.push_back("avx512vnni");
+  if (f.avx2) out.push_back("avx2int8");
 #endif
   return out;
 }

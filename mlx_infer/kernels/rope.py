@@ -17,7 +17,6 @@ of it as one operation on the kernel, and `KernelRoPEAttention` is that attentio
 """
 
 import sys
-
 from typing import Optional, Union
 
 import mlx.core as mx
