@@ -97,8 +97,8 @@ def serve(
     spec: Annotated[str, typer.Option(
         "--spec", metavar="MODE",
         help=f"Lossless speculative decoding ({', '.join(SERVE_MODES)}) for a request while it is the only one "
-             "running (batched requests decode plainly). Default off: on a CPU, auto measured 0.94-0.96x on "
-             "math and code prompts (docs/serving.md).")] = "off",
+             "running (batched requests decode plainly); auto drafts where drafts pay and decodes plainly "
+             "elsewhere; off is plain decoding.")] = "auto",
     kv_budget: KVBudgetOpt = None,
     evict: Annotated[Optional[str], typer.Option(
         "--evict", metavar="POLICY:RATIO", rich_help_panel=KV_PANEL,

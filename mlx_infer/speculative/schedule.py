@@ -41,6 +41,8 @@ ACCEPT_DECAY = 0.95
 COST_DECAY = 0.9
 #: Rounds after which a source judged not worth drafting is tried again to refresh the estimates.
 PROBE_EVERY = 16
+#: Forgetting factor of the count of rounds each bucket of a free drafter offered a proposal in.
+OFFER_DECAY = 0.9
 #: Speculation must promise this much over plain decoding to be used at all.
 MIN_GAIN = 1.05
 #: Rounds of speculation (and of plain decoding) whose measured tokens per second are compared.
@@ -114,6 +116,14 @@ class DraftPolicy(Protocol):
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
         """Learn from a finished round (see DraftScheduler.observe)."""
 
+    def score(self, key: Optional[int], proposed: int, matched: int) -> None:
+        """Learn from a proposal that no round verified, scored against the tokens decoded after it (see
+        DraftScheduler.score)."""
+
+    def offered(self, key: Optional[int]) -> None:
+        """A free drafter's proposal this round came from bucket `key` (None: it had none; see
+        DraftScheduler.offered)."""
+
 
 class FixedGamma:
     """A pinned draft length (max_draft=N): ask for N tokens every round and verify all that are proposed.
@@ -139,6 +149,12 @@ class FixedGamma:
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
+        """Nothing to learn."""
+
+    def score(self, key: Optional[int], proposed: int, matched: int) -> None:
+        """Nothing to learn."""
+
+    def offered(self, key: Optional[int]) -> None:
         """Nothing to learn."""
 
 
@@ -188,6 +204,9 @@ class DraftScheduler:
         self.backoff = ARM_BACKOFF
         self._spec_rounds: Deque[Tuple[int, float]] = deque(maxlen=ARM_WINDOW)  # (committed, seconds)
         self._plain_rounds: Deque[Tuple[int, float]] = deque(maxlen=ARM_WINDOW)
+        # free mode: discounted rounds, and of those the rounds whose proposal came from each bucket
+        self.offer_rounds = 0.0
+        self.offers: Dict[Optional[int], float] = {}
 
     def rates(self, key: Optional[int] = None) -> List[float]:
         """Estimated conditional acceptance of each draft position (given its predecessors were accepted)
@@ -288,7 +307,29 @@ class DraftScheduler:
             return self._gamma(at) == 0
         if keys is None:
             return False
-        return all(self.best_gamma(k, sunk=True) == 0 and not self._due(k, at) for k in keys)
+        if any(self._due(k, at) for k in keys):
+            return False
+        lost = self.curve(1) - self.curve.plain()  # what a plain step not launched ahead costs more
+        return sum(self.offer_rate(k) * max(self.saving(k), 0.0) for k in keys) <= lost
+
+    def offered(self, key: Optional[int]) -> None:
+        """Count a round's proposal (every round of a free drafter: verified, scored or empty) as coming from
+        bucket `key`, None for none: how often each bucket offers a draft (offer_rate)."""
+        self.offer_rounds = OFFER_DECAY * self.offer_rounds + 1.0
+        for k in self.offers:
+            self.offers[k] *= OFFER_DECAY
+        if key is not None:
+            self.offers[key] = self.offers.get(key, 0.0) + 1.0
+
+    def offer_rate(self, key: Optional[int]) -> float:
+        """The fraction of recent rounds whose proposal came from bucket `key` (1 before any round: unknown)."""
+        return self.offers.get(key, 0.0) / self.offer_rounds if self.offer_rounds else 1.0
+
+    def saving(self, key: Optional[int]) -> float:
+        """Seconds a round drafting from bucket `key` (its proposal made, at its best gamma) is expected to
+        save against plain decoding of the tokens it commits; <= 0 when no draft length pays."""
+        rates, plain = self.rates(key), self.curve.plain()
+        return max(expected_committed(rates, g) * plain - self.verify_cost(g + 1) for g in range(self.max_draft + 1))
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
@@ -305,11 +346,7 @@ class DraftScheduler:
         self.round += 1
         if not proposed:
             return
-        hits = self.hits.setdefault(key, [0.0] * self.max_draft)
-        trials = self.trials.setdefault(key, [0.0] * self.max_draft)
-        for i in range(min(proposed, accepted + 1, self.max_draft)):
-            trials[i] = ACCEPT_DECAY * trials[i] + 1.0
-            hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
+        self._count(key, proposed, accepted)
         if self.free:
             old = self.key_costs.get(key)
             self.key_costs[key] = draft_s if old is None else COST_DECAY * old + (1 - COST_DECAY) * draft_s
@@ -318,8 +355,23 @@ class DraftScheduler:
             self.draft_cost = (
                 sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample
             )
-        self.last_try[key] = self.round
+    def score(self, key: Optional[int], proposed: int, matched: int) -> None:
+        """Learn the acceptance of bucket `key` from a proposal of `proposed` tokens that no round verified (a
+        free drafter's proposal in a plain round), scored against the tokens decoded after it: its first
+        `matched` tokens equal them. For a deterministic drafter that is exactly the verify's outcome (greedy),
+        or one with its probability (sampling: a one-hot draft token passes with the target's probability of
+        it), so the estimates learn at no cost and a bucket scored this way needs no probe."""
+        if proposed:
+            self._count(key, proposed, matched)
 
+    def _count(self, key: Optional[int], proposed: int, accepted: int) -> None:
+        """Discounted acceptance counts of bucket `key` after a proposal of `proposed` with `accepted` kept."""
+        hits = self.hits.setdefault(key, [0.0] * self.max_draft)
+        trials = self.trials.setdefault(key, [0.0] * self.max_draft)
+        for i in range(min(proposed, accepted + 1, self.max_draft)):
+            trials[i] = ACCEPT_DECAY * trials[i] + 1.0
+            hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
+        self.last_try[key] = self.round
 
     def _compare(self, proposed: int, committed: int, round_s: Optional[float]) -> None:
         """Count a round in the measured rate of speculation or of plain decoding, and switch between them

@@ -6,8 +6,11 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
+from mlx_infer.generation.decode import plain_tokens
+from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
-from mlx_infer.speculative import SpecOptions, SpecState
+from mlx_infer.speculative.drafters.lookup import LookupDrafter
+from mlx_infer.speculative import SpecOptions, SpecState, speculative_tokens
 from mlx_infer.speculative import cost
 from mlx_infer.speculative.cost import COST_ATTEMPTS, CostCurve, consistent, cost_curve, measure_cost_curve
 from mlx_infer.speculative.schedule import (
@@ -299,3 +302,70 @@ def test_speculation_measured_faster_keeps_speculating():
     measured_rounds(s, 4, 1, 1.0)  # plain decoding measured: 1 token per second
     measured_rounds(s, 3 * ARM_WINDOW, 3, 1.2)
     assert s.plain_left == 0 and s.backoff == ARM_BACKOFF and s.gamma() == 8
+
+
+def test_a_scored_proposal_teaches_the_bucket_without_a_probe():
+    """score() counts an unverified proposal as a verify would have: position i judged when its predecessors
+    matched, accepted when it matched; a bucket scored this way is not due for a probe."""
+    s = DraftScheduler(CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}), max_draft=4, free=True)
+    assert s._due(2, 1)  # never verified nor scored
+    s.score(2, 4, 1)  # 4 proposed, the first matched, the second did not
+    assert s.trials[2] == [1.0, 1.0, 0.0, 0.0] and s.hits[2] == [1.0, 0.0, 0.0, 0.0]
+    assert not s._due(2, 1)
+    for _ in range(30):
+        s.score(2, 4, 0)
+    assert s.rates(2)[0] < 0.1 and s.cut(SimpleNamespace(tokens=[1] * 4, key=2)) == 0
+
+
+def test_a_plain_round_is_launched_ahead_unless_a_likely_draft_saves_more():
+    """plain_next weighs what each possible bucket's draft would save by how often that bucket offers one,
+    against what a plain step not launched ahead costs more (curve(1) - plain step = 0.2 s here)."""
+    curve = CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}, plain_step=0.8)
+    s = DraftScheduler(curve, max_draft=4, free=True)
+    for _ in range(40):
+        s.score(1, 4, 1)  # bucket 1: the first token matches, the second does not
+    saving = s.saving(1)  # ~2 tokens for a width-2 verify: ~2 * 0.8 - 1.1 s
+    assert saving == pytest.approx(expected_committed(s.rates(1), 1) * 0.8 - 1.1)
+    assert saving > 0.2
+    assert not s.plain_next([1])  # no offers counted yet: assume bucket 1 offers every round
+    for _ in range(40):
+        s.offered(None)  # rounds without a proposal
+    s.offered(1)
+    assert s.offer_rate(1) * saving < 0.2 and s.plain_next([1])
+    for _ in range(10):
+        s.offered(1)  # bucket 1 now offers most rounds
+    assert s.offer_rate(1) > 0.6 and not s.plain_next([1])
+
+
+class ScoreRecorder(DraftScheduler):
+    """A DraftScheduler that records what score() gets."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scored = []
+
+    def score(self, key, proposed, matched):
+        self.scored.append((key, proposed, matched))
+        super().score(key, proposed, matched)
+
+
+def test_the_loop_scores_lookup_proposals_of_plain_rounds_against_the_output(make_tiny):
+    """Under a curve where no draft pays (a verify of w tokens costs w steps), every round is plain, lookup's
+    proposals are scored against the greedy output, and the output equals plain decoding."""
+    target = make_tiny(seed=3, vocab=16, scale=3.0)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    base = list(plain_tokens(target, prompt, SamplingParams(), 24))
+    s = ScoreRecorder(CostCurve({w: float(w) for w in range(1, 10)}), max_draft=4, free=True)
+    s.last_try = {k: 0 for k in (1, 2, 3)}  # no first-proposal probes: no round verifies anything
+    out = list(speculative_tokens(target, prompt, SamplingParams(), 24, LookupDrafter(), s))
+    assert out == base
+    assert s.scored
+    history = prompt + out
+    drafter = LookupDrafter()
+    for start in range(len(prompt), len(history) - 4):  # every round's proposal, replayed by hand
+        draft = drafter.propose(history[:start], 4)
+        if not draft.tokens:
+            continue
+        seen = history[start:start + len(draft.tokens)]
+        matched = next((i for i, (a, b) in enumerate(zip(draft.tokens, seen)) if a != b), len(seen))
+        assert (draft.key, len(draft.tokens), matched) in s.scored

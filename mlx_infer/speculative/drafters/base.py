@@ -65,6 +65,12 @@ class Drafter:
         """
         raise NotImplementedError
 
+    def shadow(self, context: Sequence[int], gamma: int) -> Draft:
+        """A deterministic proposal of at most `gamma` tokens after `context` that costs no model pass, made in
+        a round that verifies none so that the policy can score it against the tokens decoded next
+        (DraftPolicy.score); Draft([]) when there is none (the default: this drafter's proposals cost a pass)."""
+        return Draft([])
+
     def possible_keys(self, context: Sequence[int]):
         """Free drafters: the buckets (Draft.key) a proposal could come from next round, once one more
         token (not known yet) is appended to `context`; None when that cannot be told."""

@@ -59,6 +59,10 @@ class LookupThenBlock(Drafter):
             return Draft(draft.tokens, draft.q, BLOCK_KEY)
         return Draft([], key=BLOCK_KEY)
 
+    def shadow(self, context: Sequence[int], gamma: int) -> Draft:
+        """Lookup's proposal (the block drafter's would cost its pass)."""
+        return self.lookup.shadow(context, gamma)
+
     def possible_keys(self, context: Sequence[int]) -> set:
         """Lookup's possible buckets, and the block drafter's (it can always propose)."""
         return self.lookup.possible_keys(context) | {BLOCK_KEY}

@@ -78,6 +78,10 @@ class LookupDrafter(Drafter):
                 return Draft([int(t) for t in cont], key=n)
         return Draft([])
 
+    def shadow(self, context: Sequence[int], gamma: int) -> Draft:
+        """The proposal itself (lookup costs no model pass)."""
+        return self.propose(context, gamma)
+
     def possible_keys(self, context: Sequence[int]) -> set:
         """Match lengths n a proposal could have once an unknown token t is appended to `context`: n = 1
         whenever the context is not empty (t may occur earlier), n >= 2 only if the context's last n - 1
