@@ -17,7 +17,7 @@ meanwhile gets the launched round trimmed too.
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,7 +28,7 @@ from ..errors import MlxInferError
 from ..generation.decode import decode_stream
 from ..generation.sampling import SamplingParams, build_logits_processors
 from .capture import TargetTaps
-from .drafters.base import Draft, Drafter
+from .drafters.base import Drafter
 from .schedule import DraftPolicy, FixedGamma
 from .target import output_vocab
 from .verify import probabilities, process_logits, verify_greedy, verify_sampling
@@ -148,20 +148,6 @@ def _plain_round(model, cache, taps, token: mx.array, params: SamplingParams):
     return (*_verify(logits, (), [], params, None, None), rows)
 
 
-def _score(shadows: List[Tuple[int, Draft]], history: List[int], policy: DraftPolicy) -> List[Tuple[int, Draft]]:
-    """Score each unverified proposal (history index of its first token, draft) that the tokens decoded
-    since decide (a mismatch, or every proposed token matched) with policy.score; returns the rest."""
-    left = []
-    for start, draft in shadows:
-        seen = history[start : start + len(draft.tokens)]
-        matched = next((i for i, (a, b) in enumerate(zip(draft.tokens, seen)) if a != b), len(seen))
-        if matched < len(seen) or len(seen) == len(draft.tokens):
-            policy.score(draft.key, len(draft.tokens), matched)
-        else:
-            left.append((start, draft))
-    return left
-
-
 def speculative_tokens(
     model: nn.Module,
     prompt_ids: List[int],
@@ -255,7 +241,6 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: Dra
         drafter.begin(prompt_ids, params, hidden=mx.concatenate(feats, axis=1) if feats else None)
 
     history = list(prompt_ids)  # prompt + committed; history[-1] is pending (not in the cache)
-    shadows: List[Tuple[int, Draft]] = []  # proposals no round verified, to score: (history index they start at, draft)
     produced = 0
     ahead = None  # a plain round launched before the previous round was synced: (n, nxt, rows)
     last_sync = time.perf_counter()  # the previous round's read-back
@@ -266,14 +251,12 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: Dra
             draft, tokens, outside = None, [], 0
             (n_arr, nxt_arr, rows), ahead = ahead, None
             t1 = t0
-            shadow = drafter.shadow(history, policy.limit)
         else:
             gamma = max(0, min(int(policy.gamma()), max_tokens - produced - 1, MAX_VERIFY_WIDTH - 1))
             draft = drafter.propose(history, gamma, policy.worth) if gamma > 0 else None
             tokens = list(draft.tokens[:gamma]) if draft else []
             if tokens:  # a free drafter proposed the most; keep what pays
                 tokens = tokens[: policy.cut(draft)]
-            shadow = draft if draft is not None and draft.q is None and not tokens else None
             # A draft token outside the target's vocabulary has target probability 0: it is rejected for
             # certain, so the forward stops before it and its q row shapes the residual (verify_sampling).
             inside = _in_vocab(tokens, vocab)
@@ -305,13 +288,9 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: Dra
         committed = tokens[:n] + [nxt]
         # the forward appended g+1 tokens; keep history[-1] + tokens[:n] (nxt becomes pending)
         _trim(cache, g - n)
-        if shadow is not None and shadow.tokens:
-            shadows.append((len(history), shadow))
-        if drafter.free:
-            offer = draft if tokens else shadow
-            policy.offered(offer.key if offer is not None and offer.tokens else None)
+        if drafter.free:  # (launched ahead or not) how often each bucket has a proposal: plain_next weighs it
+            policy.offered(drafter.offer_key(history))
         history.extend(committed)
-        shadows = _score(shadows, history, policy)
         if taps is None:
             drafter.update(n, committed)
         else:  # only committed positions: the old pending token and the accepted drafts

@@ -11,6 +11,12 @@ drafting(g) is g * (seconds per draft token) for a draft model, one drafter pass
 decoding step. When even a fully accepted draft cannot beat plain decoding on the curve,
 `speculation_pays` is false and the request decodes plainly.
 
+A round that drafts nothing can be launched before the previous one is read back (loop.py), but then it
+cannot use a proposal the new token brings. For a free drafter `plain_next` launches it unless the buckets
+the next round could draft from are expected to save more than launching ahead does (curve(1) less the
+pipelined step): each bucket's `saving` at its best gamma, weighted by how often it offers a proposal at all
+(`offered`, counted every round).
+
 The estimates start from a `Prior`: a weak 0.5 by default, or a calibration for model drafters
 (calibrate.py). Only decisions live here: no timing, no disk, no MLX.
 
@@ -116,10 +122,6 @@ class DraftPolicy(Protocol):
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
         """Learn from a finished round (see DraftScheduler.observe)."""
 
-    def score(self, key: Optional[int], proposed: int, matched: int) -> None:
-        """Learn from a proposal that no round verified, scored against the tokens decoded after it (see
-        DraftScheduler.score)."""
-
     def offered(self, key: Optional[int]) -> None:
         """A free drafter's proposal this round came from bucket `key` (None: it had none; see
         DraftScheduler.offered)."""
@@ -149,9 +151,6 @@ class FixedGamma:
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
-        """Nothing to learn."""
-
-    def score(self, key: Optional[int], proposed: int, matched: int) -> None:
         """Nothing to learn."""
 
     def offered(self, key: Optional[int]) -> None:
@@ -313,8 +312,8 @@ class DraftScheduler:
         return sum(self.offer_rate(k) * max(self.saving(k), 0.0) for k in keys) <= lost
 
     def offered(self, key: Optional[int]) -> None:
-        """Count a round's proposal (every round of a free drafter: verified, scored or empty) as coming from
-        bucket `key`, None for none: how often each bucket offers a draft (offer_rate)."""
+        """Count a round's proposal as coming from bucket `key` (None: the drafter had none), in every round of
+        a free drafter (one launched ahead too): how often each bucket offers a draft (offer_rate)."""
         self.offer_rounds = OFFER_DECAY * self.offer_rounds + 1.0
         for k in self.offers:
             self.offers[k] *= OFFER_DECAY
@@ -326,10 +325,11 @@ class DraftScheduler:
         return self.offers.get(key, 0.0) / self.offer_rounds if self.offer_rounds else 1.0
 
     def saving(self, key: Optional[int]) -> float:
-        """Seconds a round drafting from bucket `key` (its proposal made, at its best gamma) is expected to
-        save against plain decoding of the tokens it commits; <= 0 when no draft length pays."""
+        """Seconds a round drafting from bucket `key` (at its best gamma, its drafting cost included) is
+        expected to save against plain decoding of the tokens it commits; <= 0 when no draft length pays."""
         rates, plain = self.rates(key), self.curve.plain()
-        return max(expected_committed(rates, g) * plain - self.verify_cost(g + 1) for g in range(self.max_draft + 1))
+        return max(expected_committed(rates, g) * plain - self.verify_cost(g + 1) - self._drafting(g, key)
+                   for g in range(self.max_draft + 1))
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
@@ -346,7 +346,11 @@ class DraftScheduler:
         self.round += 1
         if not proposed:
             return
-        self._count(key, proposed, accepted)
+        hits = self.hits.setdefault(key, [0.0] * self.max_draft)
+        trials = self.trials.setdefault(key, [0.0] * self.max_draft)
+        for i in range(min(proposed, accepted + 1, self.max_draft)):
+            trials[i] = ACCEPT_DECAY * trials[i] + 1.0
+            hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
         if self.free:
             old = self.key_costs.get(key)
             self.key_costs[key] = draft_s if old is None else COST_DECAY * old + (1 - COST_DECAY) * draft_s
@@ -355,22 +359,6 @@ class DraftScheduler:
             self.draft_cost = (
                 sample if self.draft_cost is None else COST_DECAY * self.draft_cost + (1 - COST_DECAY) * sample
             )
-    def score(self, key: Optional[int], proposed: int, matched: int) -> None:
-        """Learn the acceptance of bucket `key` from a proposal of `proposed` tokens that no round verified (a
-        free drafter's proposal in a plain round), scored against the tokens decoded after it: its first
-        `matched` tokens equal them. For a deterministic drafter that is exactly the verify's outcome (greedy),
-        or one with its probability (sampling: a one-hot draft token passes with the target's probability of
-        it), so the estimates learn at no cost and a bucket scored this way needs no probe."""
-        if proposed:
-            self._count(key, proposed, matched)
-
-    def _count(self, key: Optional[int], proposed: int, accepted: int) -> None:
-        """Discounted acceptance counts of bucket `key` after a proposal of `proposed` with `accepted` kept."""
-        hits = self.hits.setdefault(key, [0.0] * self.max_draft)
-        trials = self.trials.setdefault(key, [0.0] * self.max_draft)
-        for i in range(min(proposed, accepted + 1, self.max_draft)):
-            trials[i] = ACCEPT_DECAY * trials[i] + 1.0
-            hits[i] = ACCEPT_DECAY * hits[i] + (1.0 if i < accepted else 0.0)
         self.last_try[key] = self.round
 
     def _compare(self, proposed: int, committed: int, round_s: Optional[float]) -> None:

@@ -64,3 +64,13 @@ def test_costly_bucket_is_skipped_then_probed():
     assert tried == [PROBE_EVERY, 2 * PROBE_EVERY + 1, 3 * PROBE_EVERY + 2]  # PROBE_EVERY plain rounds between probes
     # once proposed, the cost is sunk: cut judges the proposal on acceptance alone
     assert s.cut(Draft(list(range(7)), key=3)) == 7
+
+
+def test_offer_key_is_lookups_match_else_the_block_drafters(make_tiny):
+    """The bucket the hybrid would draft from: lookup's n-gram length where the context repeats itself, else
+    the block drafter's (it can always propose)."""
+    target = make_tiny(seed=1, vocab=64, scale=3.0)
+    drafter = LookupThenBlock(DFlashDrafter(random_dflash(seed=5, vocab=64, block=5), target))
+    assert drafter.offer_key([5, 6, 7, 8, 5, 6, 7]) == 3  # "5 6 7" occurred before
+    assert drafter.offer_key([5, 6, 7, 8, 9, 6]) == 1
+    assert drafter.offer_key([5, 6, 7, 8, 9, 10]) == BLOCK_KEY

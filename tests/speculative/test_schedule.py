@@ -10,7 +10,7 @@ from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative.drafters.layerskip import candidate_skips, skip_view
 from mlx_infer.speculative.drafters.lookup import LookupDrafter
-from mlx_infer.speculative import SpecOptions, SpecState, speculative_tokens
+from mlx_infer.speculative import SpecOptions, SpecState, SpecStats, speculative_tokens
 from mlx_infer.speculative import cost
 from mlx_infer.speculative.cost import COST_ATTEMPTS, CostCurve, consistent, cost_curve, measure_cost_curve
 from mlx_infer.speculative.schedule import (
@@ -304,26 +304,13 @@ def test_speculation_measured_faster_keeps_speculating():
     assert s.plain_left == 0 and s.backoff == ARM_BACKOFF and s.gamma() == 8
 
 
-def test_a_scored_proposal_teaches_the_bucket_without_a_probe():
-    """score() counts an unverified proposal as a verify would have: position i judged when its predecessors
-    matched, accepted when it matched; a bucket scored this way is not due for a probe."""
-    s = DraftScheduler(CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}), max_draft=4, free=True)
-    assert s._due(2, 1)  # never verified nor scored
-    s.score(2, 4, 1)  # 4 proposed, the first matched, the second did not
-    assert s.trials[2] == [1.0, 1.0, 0.0, 0.0] and s.hits[2] == [1.0, 0.0, 0.0, 0.0]
-    assert not s._due(2, 1)
-    for _ in range(30):
-        s.score(2, 4, 0)
-    assert s.rates(2)[0] < 0.1 and s.cut(SimpleNamespace(tokens=[1] * 4, key=2)) == 0
-
-
 def test_a_plain_round_is_launched_ahead_unless_a_likely_draft_saves_more():
     """plain_next weighs what each possible bucket's draft would save by how often that bucket offers one,
     against what a plain step not launched ahead costs more (curve(1) - plain step = 0.2 s here)."""
     curve = CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}, plain_step=0.8)
     s = DraftScheduler(curve, max_draft=4, free=True)
     for _ in range(40):
-        s.score(1, 4, 1)  # bucket 1: the first token matches, the second does not
+        s.observe(2, 1, 0.0, curve(3), key=1)  # bucket 1: the first draft token passes, the second not
     saving = s.saving(1)  # ~2 tokens for a width-2 verify: ~2 * 0.8 - 1.1 s
     assert saving == pytest.approx(expected_committed(s.rates(1), 1) * 0.8 - 1.1)
     assert saving > 0.2
@@ -337,35 +324,50 @@ def test_a_plain_round_is_launched_ahead_unless_a_likely_draft_saves_more():
     assert s.offer_rate(1) > 0.6 and not s.plain_next([1])
 
 
-class ScoreRecorder(DraftScheduler):
-    """A DraftScheduler that records what score() gets."""
+class OfferRecorder(DraftScheduler):
+    """A DraftScheduler that records what offered() gets."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scored = []
+        self.offers_seen = []
 
-    def score(self, key, proposed, matched):
-        self.scored.append((key, proposed, matched))
-        super().score(key, proposed, matched)
+    def offered(self, key):
+        self.offers_seen.append(key)
+        super().offered(key)
 
 
-def test_the_loop_scores_lookup_proposals_of_plain_rounds_against_the_output(make_tiny):
-    """Under a curve where no draft pays (a verify of w tokens costs w steps), every round is plain, lookup's
-    proposals are scored against the greedy output, and the output equals plain decoding."""
+def test_the_loop_counts_every_rounds_offer(make_tiny):
+    """Under a curve where no draft pays (a verify of w tokens costs w steps) every round is plain, most of
+    them launched ahead; each round still tells the policy which bucket lookup would draft from (its longest
+    n-gram match, None without one), and the output equals plain decoding."""
     target = make_tiny(seed=3, vocab=16, scale=3.0)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
     base = list(plain_tokens(target, prompt, SamplingParams(), 24))
-    s = ScoreRecorder(CostCurve({w: float(w) for w in range(1, 10)}), max_draft=4, free=True)
-    s.last_try = {k: 0 for k in (1, 2, 3)}  # no first-proposal probes: no round verifies anything
-    out = list(speculative_tokens(target, prompt, SamplingParams(), 24, LookupDrafter(), s))
-    assert out == base
-    assert s.scored
+    s = OfferRecorder(CostCurve({w: float(w) for w in range(1, 10)}), max_draft=4, free=True)
+    s.last_try = {k: 0 for k in (1, 2, 3)}  # no first-proposal probes: no round verifies a draft
+    stats = SpecStats()
+    out = list(speculative_tokens(target, prompt, SamplingParams(), 24, LookupDrafter(), s, stats))
+    assert out == base and stats.rounds == 24
     history = prompt + out
-    drafter = LookupDrafter()
-    for start in range(len(prompt), len(history) - 4):  # every round's proposal, replayed by hand
-        draft = drafter.propose(history[:start], 4)
-        if not draft.tokens:
-            continue
-        seen = history[start:start + len(draft.tokens)]
-        matched = next((i for i, (a, b) in enumerate(zip(draft.tokens, seen)) if a != b), len(seen))
-        assert (draft.key, len(draft.tokens), matched) in s.scored
+    expected = [LookupDrafter().propose(history[:len(prompt) + i], 4).key for i in range(24)]
+    assert s.offers_seen == expected
+    assert set(expected) - {None}  # the repeated prompt gives matches to count
+
+
+def test_a_buckets_saving_counts_its_drafting_cost():
+    """saving() is the best gamma's expected tokens at the plain step's price, less its verify and its
+    drafting (a costly source's measured seconds per proposal), and 0 where no gamma pays (gamma 0)."""
+    curve = CostCurve({w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}, plain_step=0.8)
+    s = DraftScheduler(curve, max_draft=4, free=True)
+    for _ in range(30):
+        s.observe(4, 4, 0.0, curve(5), key=7)  # every draft token passed
+    rates = s.rates(7)
+
+    def best(cost):
+        return max([0.0] + [expected_committed(rates, g) * 0.8 - curve(g + 1) - cost for g in range(1, 5)])
+
+    assert s.saving(7) == pytest.approx(best(0.0)) and s.saving(7) > 1.0
+    s.key_costs[7] = 0.5  # seconds per proposal of this bucket
+    assert s.saving(7) == pytest.approx(best(0.5))
+    s.key_costs[7] = 10.0
+    assert s.saving(7) == 0.0

@@ -65,11 +65,11 @@ class Drafter:
         """
         raise NotImplementedError
 
-    def shadow(self, context: Sequence[int], gamma: int) -> Draft:
-        """A deterministic proposal of at most `gamma` tokens after `context` that costs no model pass, made in
-        a round that verifies none so that the policy can score it against the tokens decoded next
-        (DraftPolicy.score); Draft([]) when there is none (the default: this drafter's proposals cost a pass)."""
-        return Draft([])
+    def offer_key(self, context: Sequence[int]) -> Optional[int]:
+        """Free drafters: the bucket (Draft.key) a proposal after `context` would come from, None when there
+        would be none; asked every round (those that draft nothing too) so that the policy learns how often
+        each bucket offers a draft (DraftPolicy.offered). None here."""
+        return None
 
     def possible_keys(self, context: Sequence[int]):
         """Free drafters: the buckets (Draft.key) a proposal could come from next round, once one more

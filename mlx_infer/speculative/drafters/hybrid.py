@@ -59,9 +59,10 @@ class LookupThenBlock(Drafter):
             return Draft(draft.tokens, draft.q, BLOCK_KEY)
         return Draft([], key=BLOCK_KEY)
 
-    def shadow(self, context: Sequence[int], gamma: int) -> Draft:
-        """Lookup's proposal (the block drafter's would cost its pass)."""
-        return self.lookup.shadow(context, gamma)
+    def offer_key(self, context: Sequence[int]) -> Optional[int]:
+        """Lookup's bucket when it has a match, else the block drafter's (it can always propose)."""
+        key = self.lookup.offer_key(context)
+        return BLOCK_KEY if key is None else key
 
     def possible_keys(self, context: Sequence[int]) -> set:
         """Lookup's possible buckets, and the block drafter's (it can always propose)."""

@@ -78,9 +78,9 @@ class LookupDrafter(Drafter):
                 return Draft([int(t) for t in cont], key=n)
         return Draft([])
 
-    def shadow(self, context: Sequence[int], gamma: int) -> Draft:
-        """The proposal itself (lookup costs no model pass)."""
-        return self.propose(context, gamma)
+    def offer_key(self, context: Sequence[int]) -> Optional[int]:
+        """The length of the longest n-gram match (propose's key), None without one."""
+        return self.propose(context, 1).key
 
     def possible_keys(self, context: Sequence[int]) -> set:
         """Match lengths n a proposal could have once an unknown token t is appended to `context`: n = 1
