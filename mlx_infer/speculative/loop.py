@@ -9,10 +9,11 @@ yielded token still pending. Rejected draft tokens are never kept: the cache is 
 trim protocol and the trimmed count is checked.
 
 When a plain round (no draft) is to be followed by another plain round whatever token it commits (the
-scheduler says so before the token is known: `plain_next`), the next round's forward is built on the
+scheduler decides so before the token is known: `plain_next`), the next round's forward is built on the
 lazy token and launched before the current one is read back, as mlx-lm's generate_step does; building a
-forward's graph costs about 6% of a 135M model's step on the CPU, and this hides it. A consumer that stops
-meanwhile gets the launched round trimmed too.
+forward's graph costs about 6% of a 135M model's step on the CPU, and this hides it. A round launched so
+drafts nothing, whatever proposal the new token brings. A consumer that stops meanwhile gets the launched
+round trimmed too.
 """
 
 import time

@@ -115,8 +115,8 @@ class DraftPolicy(Protocol):
         """Whether a drafter with several sources should propose from bucket `key` this round."""
 
     def plain_next(self, keys: Optional[Sequence[int]]) -> bool:
-        """Whether the next round will certainly draft nothing, whatever this round commits (keys: the
-        buckets a free drafter could propose from next round, None when unknown)."""
+        """Whether the next round is to draft nothing, whatever this round commits (keys: the buckets a free
+        drafter could propose from next round, None when unknown); the loop then launches it ahead."""
 
     def observe(self, proposed: int, accepted: int, draft_s: float, verify_s: float, key: Optional[int] = None,
                 ahead: bool = False, round_s: Optional[float] = None) -> None:
@@ -291,7 +291,9 @@ class DraftScheduler:
         return self.best_gamma(key) > 0 or self._due(key, self.round)
 
     def plain_next(self, keys: Optional[Sequence[int]] = None) -> bool:
-        """Whether the round after this one will certainly draft nothing, whatever token this one commits.
+        """Whether the round after this one is to draft nothing, whatever token this one commits: certainly
+        (a plain stint, or a drafter that is not worth it), or for a free drafter because no bucket it could
+        draft from is expected to save more than launching that round ahead does (see the module docstring).
 
         Args:
             keys: free mode: the buckets the drafter could propose from next round (None: unknown, so
