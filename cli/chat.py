@@ -7,16 +7,18 @@ on stdout.
 """
 
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import typer
 
 from mlx_infer.errors import MlxInferError
+from mlx_infer.kv.cache import supports_paged
+from mlx_infer.kv.defaults import BLOCK_SIZE
 
 from .errors import fail, report, user_errors
 from .generate import stream_to_stdout
 from .options import (
-    BlockSizeOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVCacheOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
+    BlockSizeOpt, ChatKVCacheOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
     RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
 )
@@ -124,6 +126,22 @@ class ChatSession:
                 interrupted = True
 
 
+def chat_kv(kv_cache: Optional[str], speculative: dict, *flags) -> Tuple[dict, dict, bool]:
+    """(load kwargs, request kwargs, chosen): kv_kwargs for `chat`; with kv_cache None the paged cache (its
+    prefix cache keeps the turns) unless the other KV flags need the dense one (a KIVI or float-prefix
+    quantization), then `chosen` is True. flags: kv_budget, evict, repack, block_size, kv_bits, kv_scheme,
+    kv_quant_start as kv_kwargs takes them. Raises MlxInferError as kv_kwargs."""
+    kv_budget, evict, repack, block_size, *quant = flags
+    if kv_cache is not None:
+        return (*kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative, *quant), False)
+    try:
+        return (*kv_kwargs("paged", kv_budget, evict, repack, block_size, speculative, *quant), True)
+    except MlxInferError:
+        if kv_budget is not None or evict is not None or block_size != str(BLOCK_SIZE):
+            raise  # paged flags given: the paged cache's own error
+        return (*kv_kwargs("dense", kv_budget, evict, repack, block_size, speculative, *quant), True)
+
+
 def _collect(steps, into: List[str]):
     """Pass steps through, keeping their text in `into`; closes the generator when stopped."""
     try:
@@ -149,7 +167,7 @@ def chat(
     spec: SpecOpt = "auto",
     draft_model: DraftModelOpt = None,
     max_draft: MaxDraftOpt = "auto",
-    kv_cache: KVCacheOpt = "dense",
+    kv_cache: ChatKVCacheOpt = None,
     kv_budget: KVBudgetOpt = None,
     evict: EvictOpt = None,
     repack: RepackOpt = "on",
@@ -168,9 +186,11 @@ def chat(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
-        kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative,
-                                           kv_bits, kv_scheme, kv_quant_start)
+        kv_options, kv_request, chosen = chat_kv(kv_cache, speculative, kv_budget, evict, repack, block_size,
+                                                 kv_bits, kv_scheme, kv_quant_start)
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
+        if chosen and kv_options["kv_cache"] == "paged" and not kv_request and not supports_paged(engine.model):
+            kv_options["kv_cache"] = "dense"  # e.g. a model with recurrent layers: the last turn's cache kept
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
         if not engine.tokenizer.has_chat_template:

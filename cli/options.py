@@ -85,6 +85,12 @@ KVCacheOpt = Annotated[str, typer.Option(
     "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV,
     help="dense: mlx-lm's contiguous cache (default: the fastest without eviction); paged: a block pool with a "
          "token table per request (vToken), needed for --evict with blocks really freed.")]
+#: chat's --kv-cache: unset, a chat keeps its turns in the paged cache's prefix cache where it can (chat.chat_kv).
+ChatKVCacheOpt = Annotated[Optional[str], typer.Option(
+    "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV, show_default=False,
+    help="paged (default, where the model and --kv-bits allow it): each turn starts from the previous turns' "
+         "KV blocks in the prefix cache, as `mlx-infer serve`; dense: mlx-lm's contiguous cache, the last "
+         "turn's kept (about 4% faster decoding, docs/kv.md).")]
 KVBudgetOpt = Annotated[Optional[str], typer.Option(
     "--kv-budget", metavar="BYTES|FRACTION", rich_help_panel=KV,
     help="Most KV memory of the paged cache: 512MB, 2GiB, ... (a bare integer is bytes) or a fraction of free "

@@ -96,10 +96,14 @@ class Engine:
     Build it with `mlx_infer.load(...)`. Not thread-safe: one request at a time, or several together through
     `generate_batch` / `batch_runner` (whose thread then owns the engine).
 
-    The engine keeps the KV cache of its last request: a request whose prompt starts with the tokens of
-    the previous one (a chat's next turn: the history, then the new message) prefills only what follows the
-    common prefix (`GenerationStats.cached_prompt_tokens`). `reset()` drops it. A request that evicted tokens
-    is not kept (its cache no longer equals a fresh prefill of its tokens).
+    The engine keeps the KV of its requests for the next ones: a request whose prompt starts with tokens an
+    earlier one held (a chat's next turn: the history, then the new message) prefills only what follows
+    (`GenerationStats.cached_prompt_tokens`). With the paged cache that is the prefix cache batched requests
+    and the server share (kv/prefix.py: full blocks keyed by a hash chain of their tokens, reference-counted,
+    idle ones in an LRU freed when the pool needs room), so any earlier request's prefix serves, in whole
+    blocks; with the dense cache it is the last request's cache, trimmed to the common prefix. `reset()`
+    drops both. A request that evicts tokens shares nothing (its cache stops equalling a prefill of its
+    tokens).
 
     KV cache (`configure_kv`, or the same keyword arguments of the constructor and `mlx_infer.load`):
     kv_cache="dense" (default: mlx-lm's own contiguous cache; the paged one costs +0.5-1% decode time
@@ -219,10 +223,14 @@ class Engine:
             return self._kv.new_cache()
         return make_prompt_cache(self.model) if self._quant is None else make_quant_cache(self.model, self._quant)
 
-    def _cache_for(self, prompt_ids: List[int]):
-        """(caches, start): the kept cache trimmed to its common prefix with the prompt (at most all but the
-        prompt's last token, and where a fresh prefill would hold the same: kv.quant_cache.exact_prefix), or
-        a fresh cache and 0 when nothing is shared or the kept one cannot trim."""
+    def _cache_for(self, prompt_ids: List[int], share: bool = True):
+        """(caches, start): with the paged cache, a cache holding the longest prefix of the prompt in the
+        prefix cache (whole blocks, when `share`: PagedKV.start); with the dense cache, the kept cache trimmed
+        to its common prefix with the prompt (at most all but the prompt's last token, and where a fresh
+        prefill would hold the same: kv.quant_cache.exact_prefix), or a fresh cache and 0 when nothing is
+        shared or the kept one cannot trim."""
+        if self._kv is not None:
+            return self._kv.start(prompt_ids, share)
         kept, self._kept = self._kept, None
         if kept is not None:
             start = min(common_prefix(kept.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -235,9 +243,11 @@ class Engine:
         return self._fresh_cache(), 0
 
     def _keep(self, cache: list, tokens: List[int]) -> None:
-        """Keep a finished request's cache for the next one when it can be trimmed (else the next starts
-        fresh, and a paged cache's blocks go back to the pool); `tokens`: the prompt and every token the
-        request's source delivered."""
+        """Keep a finished request's KV for the next ones: a paged cache's full blocks go to the prefix cache
+        (PagedKV.keep); a dense cache is kept whole when it can be trimmed (else the next starts fresh).
+        `tokens`: the prompt and every token the request's source delivered."""
+        if self._kv is not None:
+            return self._kv.keep(cache, tokens)
         offset = cache[0].offset if can_trim_prompt_cache(cache) else -1
         if 0 < offset <= len(tokens):
             self._kept = KeptCache(cache, tokens[:offset])
@@ -419,11 +429,12 @@ class Engine:
         asm = StepAssembler(self._detokenizer, params.stop, self.tokenizer.eos_token_ids, max_tokens)
         mx.reset_peak_memory()
         start = time.perf_counter()
-        cache, cached = self._cache_for(prompt_ids)
+        # an evicting request shares no prefix: its blocks are repacked, and its cache stops matching a prefill
+        cache, cached = self._cache_for(prompt_ids, share=evict is None)
         kv = None
         if self._kv is not None:
             try:
-                self._kv.check_fits(cache, len(prompt_ids), max_tokens, evict, repack)
+                self._kv.reserve(cache, len(prompt_ids), max_tokens, evict, repack)
                 kv = KVRequest(self._kv, cache, evict, repack)
             except MlxInferError:
                 release(cache)
@@ -469,7 +480,7 @@ class Engine:
                 kv_stats = kv.stats()
             # an exception inside a forward leaves the cache in an unknown state, and an evicted one no longer
             # equals a fresh prefill of its tokens: neither is kept
-            if clean and (kv is None or kv.evicted == 0):
+            if clean and evict is None:
                 self._keep(cache, list(prompt_ids) + delivered)
             else:
                 release(cache)

@@ -78,21 +78,32 @@ def test_chat_next_turn_reuses_the_kept_paged_cache(default_engine, fresh):
 
 
 def test_blocks_return_to_the_pool(fresh):
-    pool = fresh.kv_pool
-    fresh.generate(PROMPTS[0], max_tokens=8)
-    assert pool.blocks_in_use > 0  # the kept cache
+    """A finished request's full blocks stay in the prefix cache, its partial last block goes back; reset
+    returns every block; a stopped request leaks none."""
+    pool, bs = fresh.kv_pool, fresh.kv_pool.block_size
+
+    def held(r) -> range:
+        """The full blocks a finished request's cache may hold: its prompt and every token but the last, or
+        with the last one too (forwarded ahead before the request ended; an EOS as well)."""
+        n = r.stats.prompt_tokens + len(r.token_ids)
+        return range((n - 1) // bs, (n + 1) // bs + 1)
+
+    first = fresh.generate(PROMPTS[0], max_tokens=8)
+    assert pool.blocks_in_use > 0 and pool.blocks_in_use in held(first)
     fresh.reset()
     assert pool.blocks_in_use == 0
-    # a kept cache that the next prompt cannot reuse is dropped: only the new request's blocks remain
-    fresh.generate(PROMPTS[0], max_tokens=8, chat_template=False)
-    r = fresh.generate("Something else entirely, please.", max_tokens=8, chat_template=False)
-    assert r.stats.cached_prompt_tokens == 0
-    assert pool.blocks_in_use == r.stats.kv["retained_blocks_end"]
-    # the consumer stopping early keeps the cache (rolled back to what was delivered) and no block leaks
+    a = fresh.generate(PROMPTS[1], max_tokens=8, chat_template=False)
+    in_a = pool.blocks_in_use
+    b = fresh.generate("Something else entirely, please. " * 3, max_tokens=8, chat_template=False)
+    assert b.stats.cached_prompt_tokens == 0 and in_a in held(a)
+    assert pool.blocks_in_use - in_a in held(b) and in_a > 0  # both prefixes cached
+    # the consumer stopping early keeps the full blocks of what was delivered and no block leaks
+    fresh.reset()
     steps = fresh.stream_steps(PROMPTS[1], max_tokens=20)
     for _, _ in zip(range(3), steps):
         pass
     steps.close()
+    assert pool.blocks_in_use <= (len(fresh.encode(PROMPTS[1])) + 3) // bs
     fresh.reset()
     assert pool.blocks_in_use == 0
 
@@ -123,11 +134,13 @@ def test_request_over_budget_fails_before_prefill(default_gguf, paged):
                              kv_budget=4 * block)  # 4 blocks of 16 tokens
     n = len(small.encode(PROMPTS[0]))
     ok = small.generate(PROMPTS[0], max_tokens=4)
-    assert small.kv_pool.blocks_in_use == ok.stats.kv["retained_blocks_end"] == math.ceil((n + 4) / 16) <= 4
+    assert ok.stats.kv["retained_blocks_end"] == math.ceil((n + 4) / 16) <= 4
+    cached = small.kv_pool.blocks_in_use  # the full blocks the prefix cache kept
+    assert (n + 3) // 16 <= cached <= (n + 4) // 16 and cached > 0
     with pytest.raises(KVBudgetError, match="KV budget") as e:
         small.generate(PROMPTS[0], max_tokens=64)
     assert "\n" not in str(e.value) and f"needs {math.ceil((n + 64) / 16)} KV blocks" in str(e.value)
-    assert small.kv_pool.blocks_in_use == 0  # the kept cache it would have reused went back too
+    assert small.kv_pool.blocks_in_use == cached  # the refused request's blocks went back; the cache's stay
     m = len(small.encode(PROMPTS[1]))
     with pytest.raises(KVBudgetError):
         small.generate(PROMPTS[1], max_tokens=64 - m + 1)
@@ -161,13 +174,14 @@ def test_kv_stats(fresh, default_engine):
     r = fresh.generate(PROMPTS[0], max_tokens=10)
     kv = r.stats.kv
     assert set(kv) == KV_KEYS and set(r.stats.to_dict()["kv"]) == KV_KEYS
-    held = fresh.kv_pool.blocks_in_use  # the kept cache: the request's blocks
-    assert kv["retained_blocks_end"] == held and kv["peak_kv_bytes"] == held * fresh.kv_pool.block_bytes
+    held = kv["retained_blocks_end"]  # the request's blocks when it ended
+    assert kv["peak_kv_bytes"] == held * fresh.kv_pool.block_bytes
     # no eviction: the cache holds the prompt and every delivered token, EOS included (mlx-lm ran the last
     # one's forward)
     assert r.finish_reason == "stop"
     assert kv["live_tokens"] == r.stats.prompt_tokens + r.stats.generated_tokens + 1
     assert held == math.ceil(kv["live_tokens"] / 16)
+    assert fresh.kv_pool.blocks_in_use == kv["live_tokens"] // 16  # its full blocks stay in the prefix cache
     assert kv["waste"] == pytest.approx(1 - kv["live_tokens"] / (16 * held), abs=1e-4)
     assert math.ceil(r.stats.prompt_tokens / 16) <= kv["retained_blocks"] <= kv["retained_blocks_max"] == held
     assert (kv["evict"], kv["repack"], kv["repacks"], kv["evicted_tokens"]) == (None, None, 0, 0)
@@ -218,10 +232,13 @@ def test_bad_engine_options(default_engine, kwargs, message):
 
 def test_a_failing_request_returns_its_blocks(fresh):
     fresh.generate(PROMPTS[0], max_tokens=4)
-    assert fresh.kv_pool.blocks_in_use > 0
+    cached = fresh.kv_pool.blocks_in_use  # the prefix cache's
+    assert cached > 0
     with pytest.raises(MlxInferError, match="no model at"):  # the drafter fails to load after the cache was taken
         fresh.generate(PROMPTS[0], max_tokens=4, speculative="draft", draft_model="/missing/dir")
-    assert fresh.kv_pool.blocks_in_use == 0
+    assert fresh.kv_pool.blocks_in_use == cached  # its own blocks went back, the shared ones stay cached
+    fresh.reset()
+    assert fresh.kv_pool.blocks_in_use == 0  # and it holds no reference to those
 
 
 @pytest.mark.parametrize("name", ["kv_cahce", "evict", "max_tokens"])

@@ -111,16 +111,14 @@ class BatchScheduler:
     def _admit(self, req: BatchRequest) -> bool:
         """Give the request its cache (starting from the longest cached prefix of its prompt) and reserve its
         blocks, freeing idle cached blocks if that makes room; False (nothing changed) when it must wait."""
-        cache = self.kv.new_cache()
         # an evicting request shares no prefix: its blocks are repacked, and its cache stops matching a prefill
-        shared = self.kv.prefix.lookup(req.prompt_ids) if self.prefix_cache and req.evict is None else []
-        cache[0].sequence.adopt(shared)  # its own reference: make_room cannot free them now
-        need = self.blocks_needed(req) - len(shared)
+        cache, cached = self.kv.start(req.prompt_ids, share=self.prefix_cache and req.evict is None)
+        shared = len(cache[0].sequence.table.blocks)
+        need = self.blocks_needed(req) - shared
         if not self._make_room(need, promised=True):
             release(cache)
             return False
-        req.cache, req.reserved_blocks = cache, len(shared) + need
-        req.cached_tokens = len(shared) * self.kv.block_size
+        req.cache, req.reserved_blocks, req.cached_tokens = cache, shared + need, cached
         if req.evict is not None:
             req.kv = KVRequest(self.kv, cache, req.evict, req.repack)
         return True
@@ -312,10 +310,10 @@ class BatchScheduler:
             self.running.remove(req)
         if req.cache is None:
             return
-        table = req.sequence.table
-        if self.prefix_cache and req.finished and not req.cancelled and table.n_live == table.length:
-            self.kv.prefix.insert((req.prompt_ids + req.generated)[:table.length], table.blocks)
-        release(req.cache)
+        if self.prefix_cache and req.finished and not req.cancelled:
+            self.kv.keep(req.cache, req.prompt_ids + req.generated)
+        else:
+            release(req.cache)
         req.cache = None
 
     def fail_all(self) -> List[BatchRequest]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .paged_attention import paged_attention, paged_kernel_fits
 
-__all__ = ["dense_attention", "dense_fits"]
+__all__ = ["buffer_operands", "dense_attention", "dense_fits"]
 
 
 def dense_fits(queries: int, k_dim: int, v_dim: int) -> bool:
@@ -27,36 +27,45 @@ def dense_fits(queries: int, k_dim: int, v_dim: int) -> bool:
     return paged_kernel_fits(queries, k_dim, v_dim)
 
 
-#: The token-table operands of the last call (every layer of a step asks for the same ones), and the
-#: per-buffer part of them (index and k_pos over the whole capacity: they change when the buffer grows).
+#: The token-table operands of the last calls (every layer of a step asks for the same ones), and the
+#: per-buffer part of them (index and k_pos over the whole capacity: they change when the buffer grows),
+#: for up to KEPT_BUFFERS buffers (a target and its draft model's caches take turns).
 _last_operands: dict = {}
 _last_tables: dict = {}
+KEPT_BUFFERS = 4
 
 
-def _tables(B: int, n_kv: int, capacity: int) -> tuple:
-    """(index int32 [B, n_kv, capacity], k_pos int32 [B, capacity]) of a buffer: row (b * n_kv + h) *
-    capacity + t and position t of every slot, built on the host once per buffer shape."""
-    key = (B, n_kv, capacity)
+def _remember(kept: dict, key: tuple, value: tuple) -> tuple:
+    """Store value under key, forgetting the oldest entry beyond KEPT_BUFFERS."""
+    if len(kept) >= KEPT_BUFFERS:
+        del kept[next(iter(kept))]
+    kept[key] = value
+    return value
+
+
+def _tables(B: int, n_kv: int, capacity: int, start: int) -> tuple:
+    """(index int32 [B, n_kv, capacity - start], k_pos int32 [B, capacity - start]) of a buffer whose tokens
+    sit from slot `start` on: row (b * n_kv + h) * capacity + start + t and position t of every slot, built
+    on the host once per buffer shape and start."""
+    key = (B, n_kv, capacity, start)
     found = _last_tables.get(key)
     if found is None:
-        t = np.arange(capacity, dtype=np.int32)
-        heads = np.arange(B * n_kv, dtype=np.int32).reshape(B, n_kv, 1) * capacity
-        found = (mx.array(heads + t), mx.array(np.broadcast_to(t, (B, capacity))))
-        _last_tables.clear()
-        _last_tables[key] = found
+        t = np.arange(capacity - start, dtype=np.int32)
+        heads = np.arange(B * n_kv, dtype=np.int32).reshape(B, n_kv, 1) * capacity + start
+        found = _remember(_last_tables, key, (mx.array(heads + t), mx.array(np.broadcast_to(t, (B, t.size)))))
     return found
 
 
-def _operands(B: int, n_kv: int, capacity: int, length: int, L: int) -> tuple:
-    """(index int32 [B, n_kv, capacity], lengths [B], q_pos [B, L], k_pos [B, capacity]) for the first
-    `length` tokens of a buffer of `capacity` (the kernel reads slots t < lengths[b] only), as arrays that
-    hold their values: no operations for every layer's graph to evaluate again. Per step only lengths and
-    q_pos are new, made from Python lists (a NumPy call right after an evaluation took ~0.5 ms on the CPU
-    backend, measured on a Zen 4 VM)."""
-    key = (B, n_kv, capacity, length, L)
+def buffer_operands(B: int, n_kv: int, capacity: int, length: int, L: int, start: int = 0) -> tuple:
+    """(index int32 [B, n_kv, capacity - start], lengths [B], q_pos [B, L], k_pos [B, capacity - start]) for
+    `length` tokens from slot `start` of a buffer of `capacity` (the kernel reads slots t < lengths[b] only),
+    as arrays that hold their values: no operations for every layer's graph to evaluate again. Per step only
+    lengths and q_pos are new, made from Python lists (a NumPy call right after an evaluation took ~0.5 ms
+    on the CPU backend, measured on a Zen 4 VM)."""
+    key = (B, n_kv, capacity, length, L, start)
     found = _last_operands.get(key)
     if found is None:
-        index, k_pos = _tables(B, n_kv, capacity)
+        index, k_pos = _tables(B, n_kv, capacity, start)
         found = (index, mx.array([length] * B, dtype=mx.int32),
                  mx.array([list(range(length - L, length))] * B, dtype=mx.int32), k_pos)
         _last_operands.clear()
@@ -64,8 +73,11 @@ def _operands(B: int, n_kv: int, capacity: int, length: int, L: int) -> tuple:
     return found
 
 
-def dense_attention(q: mx.array, k_buffer: mx.array, v_buffer: mx.array, length: int, scale: float) -> mx.array:
-    """Causal attention of the last L of `length` positions over a dense cache's first `length` tokens.
+def dense_attention(q: mx.array, k_buffer: mx.array, v_buffer: mx.array, length: int, scale: float,
+                    start: int = 0) -> mx.array:
+    """Causal attention of the last L of `length` positions over a dense cache's first `length` tokens (or
+    the `length` tokens from slot `start` of each head's rows: a paged request whose tokens fill consecutive
+    slots of the pool, TokenTable.run).
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied), the positions
@@ -74,18 +86,19 @@ def dense_attention(q: mx.array, k_buffer: mx.array, v_buffer: mx.array, length:
             [B, n_kv, capacity, Dv] its values, one dtype; n_q a multiple of n_kv.
         length: tokens held (the cache's offset).
         scale: the softmax scale.
+        start: the slot of the first token in each head's rows (0 for a dense cache).
 
     Returns:
         [B, n_q, L, Dv] in q's dtype, accumulated in float32: as mx.fast.scaled_dot_product_attention over
         the first `length` tokens with mask "causal" (None for L == 1), up to float32 rounding.
 
     Raises:
-        ValueError: shapes that do not agree (see paged_attention), or length outside [L, capacity].
+        ValueError: shapes that do not agree (see paged_attention), or length outside [L, capacity - start].
     """
     B, n_kv, capacity, _ = k_buffer.shape
     L = q.shape[2]
-    if not L <= length <= capacity:
-        raise ValueError(f"dense_attention: {length} tokens for {L} queries in a buffer of {capacity}")
-    index, lengths, q_pos, k_pos = _operands(B, n_kv, capacity, length, L)
+    if not (L <= length <= capacity - start and start >= 0):
+        raise ValueError(f"dense_attention: {length} tokens from slot {start} for {L} queries in a buffer of {capacity}")
+    index, lengths, q_pos, k_pos = buffer_operands(B, n_kv, capacity, length, L, start)
     # the buffers as they are: the kernel reads them as pools of B * n_kv * capacity rows
     return paged_attention(q, k_buffer, v_buffer, index, lengths, q_pos, k_pos, scale)

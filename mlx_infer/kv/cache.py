@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import MlxInferError, UnsupportedModelError
 from ..kernels.attention import quant_attention
-from ..kernels.dense_attention import dense_fits
+from ..kernels.dense_attention import buffer_operands, dense_fits
 from ..kernels.paged_attention import paged_attention
 from .pool import BlockPool
 from .quant_options import KVQuant
@@ -113,8 +113,14 @@ class PagedKVCache:
         """queries [1, n_q, L, D] (the last L live tokens' positions) -> [1, n_q, L, Dv] on the paged kernel,
         reading the live rows in place through the token table (as dense_attention over a dense cache's
         buffer: the same rows in the same order give the same result)."""
-        keys, values = self.sequence.pool.layer_kv(self.layer)  # [n_kv * rows, D] each
-        return paged_attention(queries, keys, values, *self.sequence.kernel_operands(queries.shape[2]), scale)
+        pool, table = self.sequence.pool, self.sequence.table
+        keys, values = pool.layer_kv(self.layer)  # [n_kv * rows, D] each
+        L = queries.shape[2]
+        if table.run is not None:  # consecutive slots: a dense buffer's operands from slot `run`, nothing built
+            operands = buffer_operands(1, pool.layout[0], pool.capacity * pool.block_size, table.length, L, table.run)
+        else:
+            operands = self.sequence.kernel_operands(L)
+        return paged_attention(queries, keys, values, *operands, scale)
 
     @property
     def state(self) -> Tuple[mx.array, mx.array]:
@@ -149,15 +155,27 @@ def make_paged_cache(model: nn.Module, pool: BlockPool) -> List[PagedKVCache]:
         MlxInferError: a pool made for another number of layers.
     """
     dense = make_prompt_cache(model)
-    for c in dense:
-        if not (type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0)):
-            raise UnsupportedModelError(
-                f"the paged KV cache replaces KVCache layers, this model uses {type(c).__name__}: "
-                "use the dense KV cache for it")
+    other = _unpageable(dense)
+    if other is not None:
+        raise UnsupportedModelError(f"the paged KV cache replaces KVCache layers, this model uses {other}: "
+                                    "use the dense KV cache for it")
     if len(dense) != pool.num_layers:
         raise MlxInferError(f"the block pool was made for {pool.num_layers} layers, the model has {len(dense)}")
     sequence = PagedSequence(pool, len(dense))
     return [PagedKVCache(sequence, i) for i in range(len(dense))]
+
+
+def _unpageable(caches: list) -> Optional[str]:
+    """The class name of the first of mlx-lm's layer caches a PagedKVCache cannot replace, None if none."""
+    for c in caches:
+        if not (type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0)):
+            return type(c).__name__
+    return None
+
+
+def supports_paged(model: nn.Module) -> bool:
+    """Whether every layer cache of `model` can be paged (make_paged_cache would not raise)."""
+    return _unpageable(make_prompt_cache(model)) is None
 
 
 def make_pool(model: nn.Module, quant: Optional[KVQuant] = None, **kwargs) -> BlockPool:

@@ -4,6 +4,9 @@ import mlx.core as mx
 
 #: Tokens per KV block (vLLM's and vToken's default, arXiv 2608.13263).
 BLOCK_SIZE = 16
+#: Most slots whose pool rows BlockPool.rows computes in Python rather than NumPy (a decode or verify step's
+#: writes; a prefill's go through NumPy).
+FEW_SLOTS = 64
 #: Blocks a fresh pool allocates on its first write; it grows geometrically up to its budget.
 POOL_INITIAL_BLOCKS = 64
 #: Growth factor of the pool's capacity when it runs out of allocated blocks.

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import MlxInferError
 from ..kernels.move_rows import move_rows
-from .defaults import BLOCK_SIZE, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
+from .defaults import BLOCK_SIZE, FEW_SLOTS, KV_SCALE_DTYPE, POOL_GROWTH, POOL_INITIAL_BLOCKS, POOL_SHRINK_FACTOR
 from .errors import KVBudgetError
 from .quant_options import KVQuant, check_head_dims, check_paged_quant
 from .rotation import keys_basis, values_basis
@@ -317,18 +317,24 @@ class BlockPool:
 
     # ---- data
 
-    def rows(self, slots: np.ndarray) -> mx.array:
+    def rows(self, slots: Sequence[int]) -> mx.array:
         """The flat-array rows of slots int [S] for every head, head-major: int32 [n_kv * S] (valid until the
-        capacity changes)."""
-        n_kv = self.layout[0]
-        rows = np.arange(n_kv, dtype=np.int64)[:, None] * (self.capacity * self.block_size) + np.asarray(slots)[None]
+        capacity changes). A few slots (a decode or verify step's writes) are computed in Python: a NumPy call
+        right after an evaluation took 0.05-0.4 ms on the CPU backend (measured on a Zen 4 VM)."""
+        n_kv, stride = self.layout[0], self.capacity * self.block_size
+        if len(slots) <= FEW_SLOTS:
+            few = [int(s) for s in slots]
+            return mx.array([h * stride + s for h in range(n_kv) for s in few], dtype=mx.int32)
+        rows = np.arange(n_kv, dtype=np.int64)[:, None] * stride + np.asarray(slots)[None]
         return mx.array(rows.reshape(-1).astype(np.int32))
 
-    def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L]; keys [n_kv, L, k_dim], values
-        [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks quantize each row first
-        (Hadamard-rotated where quant.rotate_k / rotate_v say so, float16, then MLX's affine quantization: QuantKVCache's packing
-        of the same row)."""
+    def write(self, layer: int, rows: Union[int, mx.array], keys: mx.array, values: mx.array) -> None:
+        """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L] (one scatter per plane), or for one token
+        (L == 1) its slot, an int (one strided slice update per plane: rows slot, slot + rows_per_head, ...;
+        measured on the default model's decode step, 0.4-0.5 ms less than the scatter's reshapes); keys
+        [n_kv, L, k_dim], values [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks
+        quantize each row first (Hadamard-rotated where quant.rotate_k / rotate_v say so, float16, then MLX's
+        affine quantization: QuantKVCache's packing of the same row)."""
         planes = self.planes[layer]
         k, v = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [n_kv * L, D]
         if self.quant is None:
@@ -338,6 +344,11 @@ class BlockPool:
             k, v = keys_basis(k, q), values_basis(v, q)
             new = [*mx.quantize(k.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.k_bits),
                    *mx.quantize(v.astype(KV_SCALE_DTYPE), group_size=q.group_size, bits=q.v_bits)]
+        if isinstance(rows, int):
+            stride = self.capacity * self.block_size
+            for a, x in zip(planes, new):
+                a[rows : rows + (self.layout[0] - 1) * stride + 1 : stride] = x
+            return
         for a, x in zip(planes, new):
             a[rows] = x
 

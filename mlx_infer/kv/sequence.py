@@ -1,7 +1,7 @@
 """One request's paged KV state shared by its per-layer caches: the token table, each layer's logical offset,
 and the device lookup copy of the live slots (rebuilt only when the table changes)."""
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -34,14 +34,16 @@ class PagedSequence:
         self._kernel_key: Tuple[int, ...] = ()
         self._kernel_operands: Optional[Tuple[mx.array, ...]] = None  # see kernel_operands
         self._write_key: Tuple[int, ...] = ()
-        self._write_rows: Optional[mx.array] = None  # int32 [n_kv * L], the current forward's write rows
+        self._write_rows: Union[None, int, mx.array] = None  # the current forward's writes (write_rows)
 
     # ---- per layer
 
-    def write_rows(self, layer: int, n: int) -> mx.array:
-        """The pool rows (BlockPool.rows) of layer `layer`'s next n tokens, int32 [n_kv * n], appending the
-        tokens to the table first when this layer is the first to reach its end; advances that layer's
-        offset. The other layers of the same forward reuse the rows the first one computed."""
+    def write_rows(self, layer: int, n: int) -> Union[int, mx.array]:
+        """Where layer `layer`'s next n tokens go, as BlockPool.write takes it: their pool rows
+        (BlockPool.rows) int32 [n_kv * n], or for one token that extends the table's run of consecutive
+        slots its slot (an int); appends the tokens to the table first when this layer is the first to reach
+        its end; advances that layer's offset. The other layers of the same forward reuse what the first one
+        computed."""
         start = self.offsets[layer]
         if start == self.table.length:
             self.table.append(n)
@@ -51,7 +53,12 @@ class PagedSequence:
                 "every layer must see the same tokens")
         key = (start, n, self.table.version, self.pool.capacity)
         if self._write_key != key:
-            self._write_rows = self.pool.rows(self.table.slots(np.arange(start, start + n)))
+            run = self.table.run
+            if run is not None and n == 1:
+                self._write_rows = int(run + start)
+            else:
+                slots = range(run + start, run + start + n) if run is not None else self.table.slots(np.arange(start, start + n))
+                self._write_rows = self.pool.rows(slots)
             self._write_key = key
         self.offsets[layer] = start + n
         return self._write_rows
@@ -86,6 +93,11 @@ class PagedSequence:
     def _refresh(self) -> None:
         if self._index_version == (self.table.version, self.pool.capacity):
             return
+        self._index_version = (self.table.version, self.pool.capacity)
+        run = self.table.run
+        if run is not None:  # every token live, in consecutive slots: one range, nothing built on the host
+            self._range, self._index, self._positions = (run, run + self.table.length), None, None
+            return
         tokens = self.table.live_tokens()
         slots = self.table.slots(tokens)
         self._positions = tokens
@@ -93,7 +105,6 @@ class PagedSequence:
         self._range = (int(slots[0]), int(slots[-1]) + 1) if slots.size else (0, 0)
         self._range = self._range if contiguous else None
         self._index = None if contiguous else self.pool.rows(slots)
-        self._index_version = (self.table.version, self.pool.capacity)
 
     def live(self, layer: int) -> Tuple[mx.array, mx.array]:
         """(keys [1, n_kv, S, k_dim], values [1, n_kv, S, v_dim]) of the live tokens in logical order: a view
@@ -123,9 +134,9 @@ class PagedSequence:
         self._refresh()
         key = (self._index_version, L)
         if self._kernel_key != key:
-            slots = self.table.slots(self._positions)
-            rows = self.pool.rows(slots).reshape(1, self.pool.layout[0], -1)  # [1, n_kv, S]
-            positions = self._positions.astype(np.int32)
+            positions = self.live_positions()
+            rows = self.pool.rows(self.table.slots(positions)).reshape(1, self.pool.layout[0], -1)  # [1, n_kv, S]
+            positions = positions.astype(np.int32)
             self._kernel_operands = (rows, mx.array([positions.size], dtype=mx.int32),
                                      mx.array(np.arange(self.table.length - L, self.table.length, dtype=np.int32))[None],
                                      mx.array(positions)[None])
@@ -135,6 +146,8 @@ class PagedSequence:
     def live_positions(self) -> np.ndarray:
         """Original positions of the live tokens, ascending: int64 [S]."""
         self._refresh()
+        if self._positions is None:  # a run: every token live
+            self._positions = np.arange(self.table.length)
         return self._positions
 
     def ready(self) -> bool:

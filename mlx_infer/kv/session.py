@@ -2,18 +2,18 @@
 and one KVRequest per request (eviction when asked for, the retained-block record, the `kv` stats).
 
     kv = PagedKV(model, budget_bytes=512 << 20, block_size=16)
-    cache = kv.new_cache()                      # the request's per-layer PagedKVCache
-    kv.check_fits(cache, prompt_tokens=..., new_tokens=..., evict=None)   # KVBudgetError before prefill
+    cache, cached = kv.start(prompt_ids)        # per-layer PagedKVCache from the longest cached prefix
+    kv.reserve(cache, prompt_tokens=..., new_tokens=..., evict=None)   # KVBudgetError before prefill
     with KVRequest(kv, cache, EvictSpec("h2o", 0.5), repack=True) as req:
         for token in tokens:                    # after each forward of the decode loop
             req.step()                          # batched: req.step(tap.rows(b, n)), see batch/scheduler.py
     req.stats()                                 # GenerationStats.kv
-    release(cache)                              # the blocks go back to the pool (dense caches: nothing)
+    kv.keep(cache, prompt_ids + generated)      # full blocks to the prefix cache, the rest to the pool
 """
 
 import math
 import threading
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,6 +98,25 @@ class PagedKV:
         """A fresh request's per-layer caches over the pool (mlx-lm's prompt_cache protocol)."""
         return make_paged_cache(self.model, self.pool)
 
+    def start(self, prompt_ids: Sequence[int], share: bool = True) -> Tuple[List[PagedKVCache], int]:
+        """(caches, cached): a request's per-layer caches, holding the longest cached prefix of its prompt when
+        `share` (PrefixCache.lookup: whole blocks, never the prompt's last token; the request holds its own
+        reference to them, so make_room cannot free them), and how many prompt tokens they hold."""
+        self.ensure_layout()
+        cache = self.new_cache()
+        if share:
+            cache[0].sequence.adopt(self.prefix.lookup(prompt_ids))
+        return cache, cache[0].sequence.table.length
+
+    def keep(self, cache: List[PagedKVCache], tokens: Sequence[int]) -> None:
+        """A request ends: its full blocks go to the prefix cache (keyed by `tokens`, the prompt and every token
+        it generated; only when its table has no hole and the caches hold a prefix of `tokens`), then it
+        releases every block (those the cache holds stay, idle, for the next request that shares them)."""
+        table = cache[0].sequence.table
+        if table.n_live == table.length <= len(tokens) and all(c.offset == table.length for c in cache):
+            self.prefix.insert(list(tokens)[:table.length], table.blocks)
+        release(cache)
+
     def ensure_layout(self) -> None:
         """Fix the pool's layout before the first request (its budget in blocks needs it): the K/V shape and
         dtype of one token through a dense mlx-lm cache. Also bounds the prefix cache of a pool without a
@@ -129,17 +148,23 @@ class PagedKV:
     def _probe_layout(self) -> None:
         self.pool.configure(*probe_kv_layout(self.model))
 
-    def check_fits(self, cache: List[PagedKVCache], prompt_tokens: int, new_tokens: int,
-                   evict: Optional[EvictSpec] = None, repack: bool = True) -> None:
-        """Raise KVBudgetError (before prefill) when the request can never fit the budget: the blocks of its
-        prompt and `new_tokens` more, or with vToken eviction the most it keeps (reserved_blocks; the request
-        is repacked when the pool needs the room, KVRequest.step), minus nothing for the kept prefix (it is
-        part of the same blocks)."""
+    def reserve(self, cache: List[PagedKVCache], prompt_tokens: int, new_tokens: int,
+                evict: Optional[EvictSpec] = None, repack: bool = True) -> None:
+        """Make room for a lone request (before prefill): free idle cached prefix blocks, least recently used
+        first, until the pool has the blocks of its prompt and `new_tokens` more, or with vToken eviction the
+        most it keeps (reserved_blocks; the request is repacked when the pool needs the room,
+        KVRequest.step), less the blocks it already holds (its cached prefix).
+
+        Raises:
+            KVBudgetError: the request can never fit the budget (what other requests hold counted).
+        """
         if self.pool.budget_bytes is None:
             return
         self.ensure_layout()
         need, most = reserved_blocks(evict, repack, prompt_tokens, new_tokens, self.block_size)[0], self.pool.max_blocks
-        other = self.pool.blocks_in_use - len(cache[0].sequence.table.blocks)
+        own = len(cache[0].sequence.table.blocks)
+        other = self.pool.blocks_in_use - own - self.prefix.idle_blocks
+        self.prefix.make_room(need - own)
         if need > most - other:
             raise KVBudgetError(
                 over_budget(self.pool, need, prompt_tokens, new_tokens, evict, repack, most - other),

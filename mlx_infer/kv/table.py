@@ -8,7 +8,7 @@ This host copy is the master; the lookup copy the attention reads is `live_slots
 by the caller (PagedSequence), rebuilt when `version` changes.
 """
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -21,6 +21,11 @@ class TokenTable:
 
     Args:
         pool: the BlockPool the blocks come from (allocation, release, block size).
+
+    Attributes:
+        run: the first flat slot when tokens 0 .. length - 1 are all live at the consecutive slots run ..
+            run + length - 1 (a request that never evicted, over blocks with consecutive ids: attention then
+            reads one range of the pool, no lookup), else None.
     """
 
     def __init__(self, pool: BlockPool):
@@ -35,6 +40,7 @@ class TokenTable:
         self.blocks: List[int] = []  # the request's blocks in logical order (by their first token)
         self.tail = -1  # the block new tokens go to while it has room (-1: none)
         self.version = 0  # bumped whenever the live slots change
+        self.run: Optional[int] = None  # see `run` in the class docstring
 
     # ---- views
 
@@ -101,6 +107,12 @@ class TokenTable:
             self.tail = b
         s, e = self.length, self.length + n
         self._block[s:e], self._slot[s:e], self._live[s:e] = blocks, offsets, True
+        first = blocks[0] * self.block_size + offsets[0] if n else 0
+        follows = self.run is not None and first == self.run + s
+        if (follows or s == 0) and n and _consecutive(blocks, offsets, self.block_size):
+            self.run = first if s == 0 else self.run
+        elif n:
+            self.run = None
         self.length = e
         self.version += 1
         return self._block[s:e] * self.block_size + self._slot[s:e]
@@ -117,6 +129,8 @@ class TokenTable:
             raise MlxInferError(f"cannot evict tokens outside 0..{self.length - 1} (got {t[0]}..{t[-1]})")
         t = t[self._live[t]]
         self._live[t] = False
+        if t.size:
+            self.run = None
         freed = []
         for b, k in zip(*np.unique(self._block[t], return_counts=True)):
             b = int(b)
@@ -149,6 +163,7 @@ class TokenTable:
             self.fill[b], self.live_count[b] = self.block_size, self.block_size
         self.blocks = list(blocks)
         self.length, self.tail = n, -1
+        self.run = blocks[0] * self.block_size if n and _consecutive(blocks, [0] * len(blocks), 1) else None
         self.version += 1
 
     def truncate(self, length: int) -> int:
@@ -169,6 +184,10 @@ class TokenTable:
                 self._drop(b)
         self._live[length : self.length] = False
         n, self.length = self.length - length, length
+        if not length:
+            self.run = None
+        elif self.run is None and n:  # a rollback past a token that broke the run may restore it
+            self.run = self._find_run()
         if self.tail < 0 and self.length:
             self._retail()
         if n:
@@ -197,13 +216,14 @@ class TokenTable:
             first.setdefault(b, t)
         self.blocks = sorted(first, key=first.get)
         self._retail()
+        self.run = None  # (repacking follows eviction: the live tokens' positions have holes)
         self.version += 1
 
     def release(self) -> None:
         """Give every block back to the pool (the request ended)."""
         for b in list(self.blocks):
             self._drop(b)
-        self.length = 0
+        self.length, self.run = 0, None
         self.version += 1
 
     def check(self) -> None:
@@ -216,6 +236,7 @@ class TokenTable:
             assert self.live_count[b] == int((self._block[live] == b).sum()), f"live count of block {b}"
             assert self.pool.refcount[b] >= 1, f"block {b} held but free in the pool"
         assert len(set(self.blocks)) == len(self.blocks)
+        assert self.run == self._find_run(), f"run {self.run}, the table's {self._find_run()}"
 
     # ---- internals
 
@@ -227,6 +248,13 @@ class TokenTable:
         self.pool.release(b)
         if b == self.tail:
             self.tail = -1
+
+    def _find_run(self) -> Optional[int]:
+        """`run` computed from the table (None when a token is dead or the slots do not follow one another)."""
+        slots = self.slots(np.arange(self.length))
+        if self.length and self._live[: self.length].all() and slots[-1] - slots[0] == self.length - 1 and (np.diff(slots) == 1).all():
+            return int(slots[0])
+        return None
 
     def _retail(self) -> None:
         """The tail becomes the block of the newest live token, if it still has room."""
@@ -242,3 +270,9 @@ class TokenTable:
             cap = max(n, 2 * self._block.size, 64)
             self._block, self._slot, self._live = (
                 np.concatenate([a, np.zeros(cap - a.size, a.dtype)]) for a in (self._block, self._slot, self._live))
+
+
+def _consecutive(blocks: Sequence[int], offsets: Sequence[int], block_size: int) -> bool:
+    """Whether the flat slots block * block_size + offset of these tokens follow one another."""
+    first = blocks[0] * block_size + offsets[0]
+    return all(b * block_size + o == first + i for i, (b, o) in enumerate(zip(blocks, offsets)))

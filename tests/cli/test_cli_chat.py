@@ -19,7 +19,7 @@ def turns(stderr: str):
 
 
 def cached(stderr: str):
-    """[prompt tokens that came from the kept KV cache] of each answer."""
+    """[prompt tokens whose KV came from earlier turns] of each answer."""
     return [int(b or 0) for _, b, _ in PROMPT_TOKENS.findall(stderr)]
 
 
@@ -33,12 +33,23 @@ def test_chat_keeps_history_and_resets(run_cli):
     (p1, g1), (p2, _), (p3, _) = stats
     # The second turn's prompt holds the first question, its answer and the new question.
     assert p2 > p1 + g1
-    # The second turn prefilled only what follows the first turn's prompt (the engine's kept KV cache).
-    assert cached(proc.stderr)[0] == 0 and p1 <= cached(proc.stderr)[1] < p2
+    # The second turn prefilled only what follows the first turn's full KV blocks of 16 tokens (the paged
+    # cache's prefix cache): its prompt and answer but the last partial block.
+    assert cached(proc.stderr)[0] == 0 and (p1 + g1 - 1) // 16 * 16 <= cached(proc.stderr)[1] < p2
+    assert cached(proc.stderr)[1] % 16 == 0 and "kv paged (block 16)" in proc.stderr
     # After /reset the history is gone: the same question gives the same prompt length again, all prefilled.
     assert p3 == p1 and cached(proc.stderr)[2] == 0
     assert "history cleared" in proc.stderr
     assert proc.stdout.count("Paris") >= 2
+
+
+def test_chat_on_the_dense_cache_keeps_the_last_turn(run_cli):
+    """--kv-cache dense: the next turn starts from the last turn's whole cache, to the token."""
+    proc = run_cli("chat", "-n", "8", "--stats", "--kv-cache", "dense",
+                   input="What is the capital of France?\nAnd of Italy?\n")
+    assert proc.returncode == 0, proc.stderr
+    (p1, _), (p2, _) = turns(proc.stderr)
+    assert cached(proc.stderr)[0] == 0 and p1 <= cached(proc.stderr)[1] < p2 and "kv paged" not in proc.stderr
 
 
 def test_chat_ends_at_eof(run_cli):
@@ -105,3 +116,12 @@ def test_ctrl_c_stops_the_answer_then_a_second_one_exits(mlx_infer_bin):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_chat_picks_the_dense_cache_for_a_kv_quantization_the_paged_one_cannot_hold(run_cli):
+    proc = run_cli("chat", "-n", "4", "--stats", "--kv-bits", "4", "--kv-scheme", "kivi", input="Hi\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "kv quantized kivi-4" in proc.stderr and "kv paged" not in proc.stderr
+    # a paged-only flag with it: the paged cache's own one-line error
+    proc = run_cli("chat", "--kv-budget", "1GB", "--kv-bits", "4", "--kv-scheme", "kivi", input="Hi\n")
+    assert proc.returncode == 2 and "use --kv-scheme affine with --kv-cache paged" in proc.stderr

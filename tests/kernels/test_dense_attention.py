@@ -81,17 +81,25 @@ def test_the_hook_decodes_a_dense_cache_on_the_kernel(cpu_kernels, default_engin
         assert int(mx.argmax(a)) == int(mx.argmax(b))
 
 
-def test_paged_float_decode_equals_the_dense_cache(cpu_kernels, default_engine):
-    """The same tokens through a dense KVCache and a PagedKVCache over float blocks (block size 4, so the
-    rows are scattered over blocks): identical logits at every decode and verify step."""
+@pytest.mark.parametrize("interleaved", [False, True], ids=["run", "lookup"])
+def test_paged_float_decode_equals_the_dense_cache(cpu_kernels, default_engine, interleaved):
+    """The same tokens through a dense KVCache and a PagedKVCache over float blocks of 4 tokens: identical
+    logits at every decode and verify step, whether the request's blocks follow one another (attention
+    reads one range of the pool, TokenTable.run) or another request's blocks sit between them (attention
+    reads through the token table's lookup)."""
     model = default_engine.model
     ids = default_engine.encode("The token table maps logical tokens to slots of the block pool. " * 3)
-    dense, paged = make_prompt_cache(model), make_paged_cache(model, make_pool(model, block_size=4))
+    pool = make_pool(model, block_size=4)
+    dense, paged = make_prompt_cache(model), make_paged_cache(model, pool)
+    other = make_paged_cache(model, pool)  # another request, taking the block after each of ours
     steps = [ids[:20], ids[20:21], ids[21:30], ids[30:31]]  # prefill, decode, a 9-token verify, decode
-    for chunk in steps:
+    for i, chunk in enumerate(steps):
         a = model(mx.array(chunk)[None], cache=dense)
         b = model(mx.array(chunk)[None], cache=paged)
         assert np.array_equal(np.array(a), np.array(b)), f"logits differ after {len(chunk)} tokens"
+        assert (paged[0].sequence.table.run is None) == (interleaved and i > 0)
+        if interleaved:
+            model(mx.array(ids[:4])[None], cache=other)
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,17 @@ decode steps on the default model and on a tiny model of each architecture we lo
 tokens through mlx-lm's generate_step (plain_tokens with prompt_cache=)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from gguf_factory import MODEL_TYPES
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.errors import UnsupportedModelError
 from mlx_infer.kv import make_paged_cache, make_pool
+from mlx_infer.kv.cache import supports_paged
 
 PROMPT = ("The history of the city begins in the Roman period, when a small fort was built on the river. "
           "Over the following centuries the settlement grew into a market town")
@@ -66,3 +69,20 @@ def test_tiny_architectures_logits_match(tiny_models, arch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     if arch != "gemma3":
         np.testing.assert_array_equal(got, want)
+
+
+def test_supports_paged_names_models_with_other_layer_caches(tiny_engine):
+    """A model whose layers keep recurrent state (mlx-lm's ArraysCache) cannot be paged: supports_paged says
+    so, and make_paged_cache raises the one-line error."""
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(2, 2)]
+
+        def make_cache(self):
+            return [ArraysCache(2)]
+
+    assert supports_paged(tiny_engine.model) and not supports_paged(Recurrent())
+    with pytest.raises(UnsupportedModelError, match="^the paged KV cache replaces KVCache layers, this model uses "
+                                                    "ArraysCache: use the dense KV cache for it$"):
+        make_paged_cache(Recurrent(), make_pool(tiny_engine.model))
