@@ -24,10 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import interleaved, machine, machine_line, pyplot, write_result  # noqa: E402
+from common import PROMPTS, interleaved, machine, machine_line, pyplot, write_result  # noqa: E402
 from mlx_lm import batch_generate, load as mlx_lm_load  # noqa: E402
 
-PROMPTS = Path(__file__).resolve().parent / "prompts"
 
 
 def load_prompts():

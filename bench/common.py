@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 RESULTS_DIR = Path(__file__).parent / "results"
+#: The benchmark prompt sets, one JSON object per line with its "prompt" (chat, code, math, copy).
+PROMPTS = Path(__file__).resolve().parent / "prompts"
 
 
 def machine() -> dict:

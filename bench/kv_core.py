@@ -6,6 +6,7 @@
     python bench/kv_core.py --observe     # attention statistics: cost per decode step
     python bench/kv_core.py --retained    # Naive-Evict vs vToken repacking, H2O / Scissorhands at 0.5
     python bench/kv_core.py --batched     # batched decode: gather + masked SDPA vs the paged-attention kernel
+    python bench/kv_core.py --generate    # Engine.generate on the dense vs the paged cache: decode tok/s, TTFT
 
 --overhead, --observe and --batched interleave the systems (A B C, A B C, ...) and report medians; the machine
 may be shared, so only the ratios of one run mean much. --batched: for each context (`--contexts`, wikitext
@@ -16,7 +17,11 @@ attention), BatchStep(fused=True) (the kernel reads the pool in place), and at B
 PagedKVCache (what the scheduler runs for one request: a view of contiguous slots + mlx-lm's attention).
 Decode tokens/s = B / median step time (forward, greedy argmax, eval). --retained feeds a wikitext window through the model teacher-forced,
 `--chunk` tokens per forward, evicting after each forward; Naive-Evict is a shadow token table that gets the
-same appends and the same evictions (the pairing is exact) and never repacks.
+same appends and the same evictions (the pairing is exact) and never repacks. --generate: a dense and a paged
+Engine over one loaded model (mlx_infer.load()'s default weights), the prompts of bench/prompts/<--prompt-set>
+with `--spec` decoding, `--tokens` each, the engines alternating prompt by prompt and the order flipped every
+pass (`--repeats` passes), each request from an empty cache (reset): decode tokens/s over all requests
+(tokens after the first / decode time), median TTFT, and how many requests gave the same greedy tokens.
 """
 
 import argparse
@@ -33,8 +38,9 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine  # noqa: E402
+from common import PROMPTS, interleaved, machine  # noqa: E402
 
+from mlx_infer.engine import Engine  # noqa: E402
 from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
 from mlx_infer.kv import BlockPool, PagedSequence, TokenTable, make_paged_cache, make_pool  # noqa: E402
 from mlx_infer.kv.attention_hook import install as install_attention_hook  # noqa: E402
@@ -140,6 +146,33 @@ def bench_overhead(args, engine):
             "build_ms_median": {k: round(statistics.median(v) * 1e3, 3) for k, v in build.items()},
             "overhead_paged_pct": round(100 * (med["paged"] / med["dense"] - 1), 2),
             "overhead_gather_pct": round(100 * (med["gather"] / med["dense"] - 1), 2)}
+
+
+def bench_generate(args, engine):
+    """Engine.generate on the dense vs the paged cache (see the module docstring, --generate)."""
+    engines = {"dense": engine, "paged": Engine(engine.model, engine.tokenizer, engine.config, engine.source,
+                                                kv_cache="paged")}
+    lines = (PROMPTS / f"{args.prompt_set}.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    for e in engines.values():
+        e.prepare(args.spec)
+        e.generate(prompts[0], max_tokens=4, speculative=args.spec)
+    decode_s, tokens, ttft, outs = ({k: [] for k in engines} for _ in range(4))
+    for rep in range(args.repeats):
+        for prompt in prompts:
+            for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+                engines[name].reset()
+                r = engines[name].generate(prompt, max_tokens=args.tokens, speculative=args.spec)
+                decode_s[name].append(r.stats.total_s - r.stats.ttft_s)
+                tokens[name].append(len(r.token_ids) - 1)
+                ttft[name].append(r.stats.ttft_s)
+                outs[name].append(r.token_ids)
+    tps = {k: sum(tokens[k]) / sum(decode_s[k]) for k in engines}
+    return {"prompt_set": args.prompt_set, "spec": args.spec, "requests_each": len(outs["dense"]),
+            "decode_tps": {k: round(v, 2) for k, v in tps.items()},
+            "paged_over_dense": round(tps["paged"] / tps["dense"], 3),
+            "ttft_ms_median": {k: round(statistics.median(v) * 1e3, 1) for k, v in ttft.items()},
+            "same_tokens": sum(a == b for a, b in zip(outs["dense"], outs["paged"]))}
 
 
 def bench_observe(args, engine):
@@ -280,7 +313,7 @@ def bench_retained(args, engine):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag in ("--write", "--memory", "--overhead", "--observe", "--retained", "--batched"):
+    for flag in ("--write", "--memory", "--overhead", "--observe", "--retained", "--batched", "--generate"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens (--overhead, --observe)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per run (--overhead, --observe, --batched)")
@@ -294,21 +327,25 @@ def main():
     ap.add_argument("--chunk", type=int, default=8, help="teacher-forced tokens per forward (--retained)")
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--policies", default="h2o,scissorhands")
+    ap.add_argument("--prompt-set", default="chat", help="bench/prompts/<name>.jsonl (--generate)")
+    ap.add_argument("--spec", default="auto", help="speculative mode of each request (--generate)")
     ap.add_argument("--weights", default=None,
-                    help="float32 (default), native, ...; --batched alone: mlx_infer.load()'s default")
+                    help="float32 (default), native, ...; --batched / --generate alone: mlx_infer.load()'s default")
     args = ap.parse_args()
     result = {"machine": machine(), "command": " ".join(sys.argv)}
     if args.write:
         result["write"] = bench_write(args)
     if args.memory:
         result["memory"] = bench_memory(args)
-    if args.overhead or args.observe or args.retained or args.batched:
-        only_batched = args.batched and not (args.overhead or args.observe or args.retained)
+    if args.overhead or args.observe or args.retained or args.batched or args.generate:
+        only_batched = (args.batched or args.generate) and not (args.overhead or args.observe or args.retained)
         weights = args.weights or (None if only_batched else "float32")
         engine = mlx_infer.load() if weights is None else mlx_infer.load(weights=weights)
         result["weights"] = engine.source.weights
         if args.batched:
             result["batched"] = bench_batched(args, engine)
+        if args.generate:
+            result["generate"] = bench_generate(args, engine)
         if args.overhead:
             result["overhead"] = bench_overhead(args, engine)
         if args.observe:

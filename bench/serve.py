@@ -37,9 +37,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402
-from common import machine, machine_line, write_result  # noqa: E402
+from common import PROMPTS, machine, machine_line, write_result  # noqa: E402
 
-PROMPTS = Path(__file__).resolve().parent / "prompts"
 ROOT = Path(__file__).resolve().parent.parent
 
 

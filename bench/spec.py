@@ -61,12 +61,11 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import bootstrap_ratio, machine, machine_line, write_result  # noqa: E402
+from common import PROMPTS, bootstrap_ratio, machine, machine_line, write_result  # noqa: E402
 from mlx_infer.engine import Engine  # noqa: E402
 from mlx_infer.speculative import schedule  # noqa: E402
 from mlx_infer.speculative.schedule import ARM_WINDOW  # noqa: E402
 
-PROMPTS = Path(__file__).parent / "prompts"
 SETS = ("chat", "code", "math", "copy")
 #: The slow peer rows run each prompt once, whatever --repeats (they are 2-4x slower than the rest).
 PEERS_ONCE = ("draft (mlx-lm speculative)", "lookup (mlx-dspark)")

@@ -90,7 +90,7 @@ ChatKVCacheOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV, show_default=False,
     help="paged (default, where the model and --kv-bits allow it): each turn starts from the previous turns' "
          "KV blocks in the prefix cache, as `mlx-infer serve`; dense: mlx-lm's contiguous cache, the last "
-         "turn's kept (about 4% faster decoding, docs/kv.md).")]
+         "turn's kept (decoding 1-5% faster, docs/kv.md).")]
 KVBudgetOpt = Annotated[Optional[str], typer.Option(
     "--kv-budget", metavar="BYTES|FRACTION", rich_help_panel=KV,
     help="Most KV memory of the paged cache: 512MB, 2GiB, ... (a bare integer is bytes) or a fraction of free "

@@ -106,10 +106,10 @@ class Engine:
     tokens).
 
     KV cache (`configure_kv`, or the same keyword arguments of the constructor and `mlx_infer.load`):
-    kv_cache="dense" (default: mlx-lm's own contiguous cache; the paged one costs +0.5-1% decode time
-    without holes, +1-4% with them, measured in bench/kv_core.py --overhead) or "paged" (a block pool per
-    engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with reclaimed
-    blocks); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
+    kv_cache="dense" (default: mlx-lm's own contiguous cache; the paged one costs +0.5-3% per decode step
+    without holes, +6% with them: bench/kv_core.py --overhead --weights auto, docs/kv.md) or "paged" (a block
+    pool per engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with
+    reclaimed blocks, and the prefix cache); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
     block_size (tokens per block, 16). Quantized KV (dense cache; paged cache and batched decoding: quantized
     blocks, affine scheme from the first token only): kv_bits (8, 4 or
     "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
