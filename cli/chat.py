@@ -12,8 +12,10 @@ from typing import List, Optional, Tuple
 import typer
 
 from mlx_infer.errors import MlxInferError
+from mlx_infer.kv import KVBudgetError
 from mlx_infer.kv.cache import supports_paged
 from mlx_infer.kv.defaults import BLOCK_SIZE
+from mlx_infer.kv.options import check_block_size, parse_evict
 
 from .errors import fail, report, user_errors
 from .generate import stream_to_stdout
@@ -71,7 +73,7 @@ class ChatSession:
         except MlxInferError as e:  # e.g. the history outgrew the context window
             self.history.pop()
             report(e, self.verbose)
-            if "context window" in str(e):
+            if "context window" in str(e) or isinstance(e, KVBudgetError):
                 stderr.print("[dim]type /reset to clear the history[/dim]")
             return
         except KeyboardInterrupt:
@@ -137,9 +139,18 @@ def chat_kv(kv_cache: Optional[str], speculative: dict, *flags) -> Tuple[dict, d
     try:
         return (*kv_kwargs("paged", kv_budget, evict, repack, block_size, speculative, *quant), True)
     except MlxInferError:
-        if kv_budget is not None or evict is not None or block_size != str(BLOCK_SIZE):
+        if asks_paged(kv_budget, evict, block_size):
             raise  # paged flags given: the paged cache's own error
         return (*kv_kwargs("dense", kv_budget, evict, repack, block_size, speculative, *quant), True)
+
+
+def asks_paged(kv_budget: Optional[str], evict: Optional[str], block_size: str) -> bool:
+    """Whether the KV flags ask for what only the paged cache does: a budget, eviction, a block size other than
+    the default (a value that does not parse counts: its own error is the one to give)."""
+    try:
+        return kv_budget is not None or parse_evict(evict) is not None or check_block_size(block_size) != BLOCK_SIZE
+    except MlxInferError:
+        return True
 
 
 def _collect(steps, into: List[str]):
@@ -189,7 +200,10 @@ def chat(
         kv_options, kv_request, chosen = chat_kv(kv_cache, speculative, kv_budget, evict, repack, block_size,
                                                  kv_bits, kv_scheme, kv_quant_start)
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
-        if chosen and kv_options["kv_cache"] == "paged" and not kv_request and not supports_paged(engine.model):
+        if chosen and kv_options["kv_cache"] == "paged" and not supports_paged(engine.model):
+            if asks_paged(kv_budget, evict, block_size):
+                raise fail(f"{engine.source.name} cannot use the paged KV cache (its layers are not all KV caches), "
+                           "which --kv-budget, --evict and --block-size need: drop them")
             kv_options["kv_cache"] = "dense"  # e.g. a model with recurrent layers: the last turn's cache kept
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)

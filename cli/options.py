@@ -88,9 +88,10 @@ KVCacheOpt = Annotated[str, typer.Option(
 #: chat's --kv-cache: unset, a chat keeps its turns in the paged cache's prefix cache where it can (chat.chat_kv).
 ChatKVCacheOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV, show_default=False,
-    help="paged (default, where the model and --kv-bits allow it): each turn starts from the previous turns' "
-         "KV blocks in the prefix cache, as `mlx-infer serve`; dense: mlx-lm's contiguous cache, the last "
-         "turn's kept (decoding 1-5% faster, docs/kv.md).")]
+    help="paged (default where the model's layers are KV caches and the KV quantization fits blocks: not "
+         "with --kv-scheme kivi or --kv-quant-start): each turn starts from the earlier turns' full KV blocks "
+         "in the prefix cache, as `mlx-infer serve`; dense: mlx-lm's contiguous cache, the last turn's kept "
+         "(decoding 1-5% faster, docs/kv.md).")]
 KVBudgetOpt = Annotated[Optional[str], typer.Option(
     "--kv-budget", metavar="BYTES|FRACTION", rich_help_panel=KV,
     help="Most KV memory of the paged cache: 512MB, 2GiB, ... (a bare integer is bytes) or a fraction of free "
@@ -98,7 +99,8 @@ KVBudgetOpt = Annotated[Optional[str], typer.Option(
 EvictOpt = Annotated[Optional[str], typer.Option(
     "--evict", metavar="POLICY:RATIO", rich_help_panel=KV,
     help="Evict this fraction of the KV tokens with a policy: h2o, scissorhands, streaming, snapkv, random "
-         "(e.g. h2o:0.5; lossy; needs --kv-cache paged; with --spec auto it decodes plainly).")]
+         "(e.g. h2o:0.5; lossy; needs the paged cache: --kv-cache paged, chat's default; with --spec auto it "
+         "decodes plainly).")]
 RepackOpt = Annotated[str, typer.Option(
     "--repack", metavar="on|off", rich_help_panel=KV,
     help="With --evict: pack live tokens into fewer blocks (on) or free blocks only when empty (off: Naive-Evict).")]

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .backend import backend_name, blas_in_use
+from .backend import backend_name, blas_in_use, return_free_memory
 from .batch import BatchRequest, BatchRunner, BatchScheduler
 from .defaults import IDLE_RELEASE_S, MAX_BATCH
 from .errors import MlxInferError
@@ -206,12 +206,17 @@ class Engine:
         return self._kv.pool if self._kv is not None else None
 
     def reset(self) -> None:
-        """Forget the kept KV cache and the batched requests' prefix cache (their blocks go back to the pool):
-        the next request prefills its whole prompt."""
+        """Forget the kept KV cache and the prefix cache (their blocks go back to the pool, and a pool no
+        request holds shrinks to its initial size, PagedKV.release_idle, its memory returned to the system,
+        backend.return_free_memory): the next request prefills its whole prompt."""
         self._drop_kept()
+        released = 0
         for kv in (self._kv, self._batch_pool):
             if kv is not None:
                 kv.prefix.clear()
+                released += kv.release_idle()
+        if released:
+            return_free_memory()
 
     def _drop_kept(self) -> None:
         kept, self._kept = self._kept, None

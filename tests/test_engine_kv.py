@@ -141,6 +141,9 @@ def test_request_over_budget_fails_before_prefill(default_gguf, paged):
         small.generate(PROMPTS[0], max_tokens=64)
     assert "\n" not in str(e.value) and f"needs {math.ceil((n + 64) / 16)} KV blocks" in str(e.value)
     assert small.kv_pool.blocks_in_use == cached  # the refused request's blocks went back; the cache's stay
+    with pytest.raises(KVBudgetError):
+        small.generate("Something else entirely. " * 3, max_tokens=64)
+    assert small.kv_pool.blocks_in_use == cached  # a refused request that shares nothing frees no cached block
     m = len(small.encode(PROMPTS[1]))
     with pytest.raises(KVBudgetError):
         small.generate(PROMPTS[1], max_tokens=64 - m + 1)
@@ -247,3 +250,15 @@ def test_an_unknown_load_option_fails_before_loading(name):
     path does not exist, so reaching the loader would raise another error)."""
     with pytest.raises(MlxInferError, match=rf"^load\(\) got an unknown option '{name}'; it takes model, .*kv_bits"):
         mlx_infer.load("/nonexistent/model.gguf", **{name: "paged"})
+
+
+def test_reset_gives_the_pool_back(tiny_paged):
+    """A prompt longer than the pool's first capacity grows it; reset forgets the prefix cache and shrinks
+    the pool back to its initial size."""
+    pool = tiny_paged.kv_pool
+    tiny_paged.reset()
+    first = pool.initial_blocks
+    tiny_paged.generate(list(range(3, 3 + 4 * first + 10)), max_tokens=2)  # block size 4: past the capacity
+    assert pool.capacity > first and pool.blocks_in_use > first
+    tiny_paged.reset()
+    assert pool.blocks_in_use == 0 and pool.capacity == first

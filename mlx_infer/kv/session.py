@@ -164,12 +164,12 @@ class PagedKV:
         need, most = reserved_blocks(evict, repack, prompt_tokens, new_tokens, self.block_size)[0], self.pool.max_blocks
         own = len(cache[0].sequence.table.blocks)
         other = self.pool.blocks_in_use - own - self.prefix.idle_blocks
-        self.prefix.make_room(need - own)
-        if need > most - other:
+        if need > most - other:  # refused before anything is freed: the prefix cache stays as it was
             raise KVBudgetError(
                 over_budget(self.pool, need, prompt_tokens, new_tokens, evict, repack, most - other),
                 "raise kv_budget or lower max_tokens" + ("" if evict is not None else
                                                          ", or evict tokens (evict=POLICY:RATIO)"))
+        self.prefix.make_room(need - own)
 
 
 def over_budget(pool, need: int, prompt_tokens: int, new_tokens: int, evict: Optional[EvictSpec], repack: bool,

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli.chat import asks_paged
 from cli_helpers import cli_env
 
 PROMPT_TOKENS = re.compile(r"prompt (\d+) tok(?: \((\d+) cached\))?, generated (\d+) tok")
@@ -125,3 +126,12 @@ def test_chat_picks_the_dense_cache_for_a_kv_quantization_the_paged_one_cannot_h
     # a paged-only flag with it: the paged cache's own one-line error
     proc = run_cli("chat", "--kv-budget", "1GB", "--kv-bits", "4", "--kv-scheme", "kivi", input="Hi\n")
     assert proc.returncode == 2 and "use --kv-scheme affine with --kv-cache paged" in proc.stderr
+
+
+@pytest.mark.parametrize("budget, evict, block_size, paged", [
+    (None, None, "16", False), (None, "none", "16", False), (None, None, "016", False), ("1GB", None, "16", True),
+    (None, "h2o:0.5", "16", True), (None, None, "8", True), (None, None, "0", True), (None, "lru:0.5", "16", True)])
+def test_which_flags_ask_for_the_paged_cache(budget, evict, block_size, paged):
+    """chat falls back to the dense cache only when no flag asks for the paged one (a bad value counts: its
+    own error is the one to give)."""
+    assert asks_paged(budget, evict, block_size) == paged
