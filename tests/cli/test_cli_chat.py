@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli.chat import asks_paged
+from mlx_infer.cli.chat import asks_paged
 from cli_helpers import cli_env
 
 PROMPT_TOKENS = re.compile(r"prompt (\d+) tok(?: \((\d+) cached\))?, generated (\d+) tok")
