@@ -58,10 +58,11 @@ def _tables(B: int, n_kv: int, capacity: int, start: int) -> tuple:
 
 def buffer_operands(B: int, n_kv: int, capacity: int, length: int, L: int, start: int = 0) -> tuple:
     """(index int32 [B, n_kv, capacity - start], lengths [B], q_pos [B, L], k_pos [B, capacity - start]) for
-    `length` tokens from slot `start` of a buffer of `capacity` (the kernel reads slots t < lengths[b] only),
-    as arrays that hold their values: no operations for every layer's graph to evaluate again. Per step only
-    lengths and q_pos are new, made from Python lists (a NumPy call right after an evaluation took ~0.5 ms
-    on the CPU backend, measured on a Zen 4 VM)."""
+    `length` tokens from slot `start` of each head's rows in a buffer of `capacity` (a dense cache: 0; a paged
+    request whose tokens fill consecutive slots of the pool: TokenTable.run; the kernel reads slots t <
+    lengths[b] only), as arrays that hold their values: no operations for every layer's graph to evaluate
+    again. Per step only lengths and q_pos are new, made from Python lists (a NumPy call right after an
+    evaluation took ~0.5 ms on the CPU backend, measured on a Zen 4 VM)."""
     key = (B, n_kv, capacity, length, L, start)
     found = _last_operands.get(key)
     if found is None:
@@ -73,11 +74,8 @@ def buffer_operands(B: int, n_kv: int, capacity: int, length: int, L: int, start
     return found
 
 
-def dense_attention(q: mx.array, k_buffer: mx.array, v_buffer: mx.array, length: int, scale: float,
-                    start: int = 0) -> mx.array:
-    """Causal attention of the last L of `length` positions over a dense cache's first `length` tokens (or
-    the `length` tokens from slot `start` of each head's rows: a paged request whose tokens fill consecutive
-    slots of the pool, TokenTable.run).
+def dense_attention(q: mx.array, k_buffer: mx.array, v_buffer: mx.array, length: int, scale: float) -> mx.array:
+    """Causal attention of the last L of `length` positions over a dense cache's first `length` tokens.
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied), the positions
@@ -86,19 +84,18 @@ def dense_attention(q: mx.array, k_buffer: mx.array, v_buffer: mx.array, length:
             [B, n_kv, capacity, Dv] its values, one dtype; n_q a multiple of n_kv.
         length: tokens held (the cache's offset).
         scale: the softmax scale.
-        start: the slot of the first token in each head's rows (0 for a dense cache).
 
     Returns:
         [B, n_q, L, Dv] in q's dtype, accumulated in float32: as mx.fast.scaled_dot_product_attention over
         the first `length` tokens with mask "causal" (None for L == 1), up to float32 rounding.
 
     Raises:
-        ValueError: shapes that do not agree (see paged_attention), or length outside [L, capacity - start].
+        ValueError: shapes that do not agree (see paged_attention), or length outside [L, capacity].
     """
     B, n_kv, capacity, _ = k_buffer.shape
     L = q.shape[2]
-    if not (L <= length <= capacity - start and start >= 0):
-        raise ValueError(f"dense_attention: {length} tokens from slot {start} for {L} queries in a buffer of {capacity}")
-    index, lengths, q_pos, k_pos = buffer_operands(B, n_kv, capacity, length, L, start)
+    if not L <= length <= capacity:
+        raise ValueError(f"dense_attention: {length} tokens for {L} queries in a buffer of {capacity}")
+    index, lengths, q_pos, k_pos = buffer_operands(B, n_kv, capacity, length, L)
     # the buffers as they are: the kernel reads them as pools of B * n_kv * capacity rows
     return paged_attention(q, k_buffer, v_buffer, index, lengths, q_pos, k_pos, scale)
