@@ -213,27 +213,32 @@ class BatchScheduler:
         tokens.close()
 
     def _prefill(self, reqs: List[BatchRequest]) -> List[int]:
-        """Prefill the newcomers' prompts together (batched forwards of at most PREFILL_STEP_SIZE tokens in
-        all, each request a left-padded row) and sample each one's first token."""
+        """Prefill the newcomers' prompts together and sample each one's first token: every prompt but its last
+        token in batched forwards of at most PREFILL_STEP_SIZE tokens in all (each request a left-padded row;
+        their logits are never evaluated, so MLX never computes the output head for them), then one forward
+        of every newcomer's last prompt token (L = 1) whose logits [B, 1, V] give the first tokens, as a lone
+        request's generate_step does. Computing the head only there saves its share of the prefill (on the
+        default model 21% of a forward's multiply-adds, on Gemma-3-270M 62%) for one forward of B rows."""
         now = time.perf_counter()
         todo = {}
         for r in reqs:
             r.admitted_at = now
-            todo[r] = r.prompt_ids[r.cached_tokens:]
-        pool, firsts = self.kv.pool, {}
+            if len(r.prompt_ids) - 1 > r.cached_tokens:
+                todo[r] = r.prompt_ids[r.cached_tokens:-1]
+        pool = self.kv.pool
         while todo:
             active = list(todo)
             width = max(1, PREFILL_STEP_SIZE // len(active))
-            logits, _ = self._forward(active, [todo[r][:width] for r in active])  # [B, L, V]
-            ending = [(b, r) for b, r in enumerate(active) if len(todo[r]) <= width]
+            self._forward(active, [todo[r][:width] for r in active])  # (logits [B, L, V] unused)
             for r in active:
                 todo[r] = todo[r][width:]
                 if not todo[r]:
                     del todo[r]
-            tokens = [r.sample(logits[b:b + 1, -1, :]) for b, r in ending]  # [1] each
-            mx.eval(tokens + pool.arrays())
-            firsts.update((r, int(t.item())) for (_, r), t in zip(ending, tokens))
-        return [firsts[r] for r in reqs]
+            mx.eval(pool.arrays())
+        logits, _ = self._forward(reqs, [[r.prompt_ids[-1]] for r in reqs])  # [B, 1, V]
+        tokens = [r.sample(logits[b:b + 1, -1, :]) for b, r in enumerate(reqs)]  # [1] each
+        mx.eval(tokens + pool.arrays())
+        return [int(t.item()) for t in tokens]
 
     def _forward(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array] = None,
                  tapped: bool = False) -> Tuple[mx.array, Dict[int, QueryRows]]:

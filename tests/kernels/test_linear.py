@@ -16,7 +16,7 @@ from qmm_helpers import run_in_variant
 import mlx_infer
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
-from mlx_infer.kernels.linear import KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels
+from mlx_infer.kernels.linear import WIDENED_BITS, KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels, widen_codes
 from mlx_infer.kernels.rms_norm import KernelRMSNorm
 from mlx_infer.kernels.rope import KernelRoPEAttention
 
@@ -70,6 +70,53 @@ def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
     short, long = model(ids[:, :3]), model(mx.concatenate([ids] * 2, axis=1))
     int8 = bits in cpu_kernels.int8_bits()
     for got, ref in ((short, ref_short), (long, ref_long)):
+        scale = mx.max(mx.abs(ref)).item()
+        assert mx.max(mx.abs(got - ref)).item() <= (INT8_LOGIT_TOL if int8 else 1e-4) * scale
+        if not int8:
+            assert mx.array_equal(got.argmax(-1), ref.argmax(-1)).item()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 6, 7])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_widen_codes_keeps_every_weight(bits, group_size):
+    """Codes of any width re-stored as 8-bit codes dequantize to the very same weights (scales and biases
+    unchanged), and every integer code survives (row 0 checked against its bit stream read by hand)."""
+    if bits not in (2, 3, 4, 5, 6, 8):  # widths mx.quantize does not make: a random bit stream instead
+        w = mx.random.randint(0, 2 ** 31, (12, 128 * bits // 32), key=mx.random.key(bits)).astype(mx.uint32)
+        scales = mx.random.uniform(shape=(12, 128 // group_size), key=mx.random.key(7))
+        biases = mx.zeros_like(scales)
+    else:
+        x = mx.random.normal((12, 128), key=mx.random.key(bits))
+        w, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    wide = widen_codes(w, bits)
+    assert wide.dtype == mx.uint32 and wide.shape == (12, 128 // 4)
+    codes = mx.view(wide, mx.uint8).reshape(12, 128)  # [N, K]: code j in byte j
+    assert mx.max(codes).item() < 2 ** bits
+    if bits in (2, 3, 5, 6):
+        assert mx.array_equal(mx.dequantize(wide, scales, biases, group_size=group_size, bits=8),
+                              mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)).item()
+    # the bit stream read back by hand: value j in bits [bits * j, bits * (j + 1)) of the little-endian words
+    stream = int.from_bytes(bytes(mx.view(w[0], mx.uint8).tolist()), "little")
+    assert codes[0].tolist() == [(stream >> (bits * j)) & (2 ** bits - 1) for j in range(128)]
+    with pytest.raises(ValueError, match="widen"):
+        widen_codes(w, 9)
+
+
+@pytest.mark.parametrize("bits", WIDENED_BITS)
+def test_tiny_llama_widened_layers(cpu_kernels, bits):
+    """A model quantized at a width the kernels do not take runs on them with its codes widened to 8 bits:
+    every quantized layer swapped, at 8 bits, and the logits equal MLX's own quantized matmul's up to float
+    rounding (int8 rounding of x where 8-bit products run on int8 activations), greedy the same."""
+    model = tiny_llama(bits, 32)
+    ids = mx.array([[5, 17, 250, 3, 99, 42, 7, 1, 0, 311]])
+    refs = [model(ids[:, :3]), model(mx.concatenate([ids] * 4, axis=1))]  # skinny, wide
+    mx.eval(refs)
+    use_kernels(model)
+    assert quantized_layers(model) == []
+    swapped = [m for _, m in model.named_modules() if isinstance(m, (KernelQuantizedLinear, KernelQuantizedEmbedding))]
+    assert len(swapped) == 2 * 7 + 1 and {m.bits for m in swapped} == {8}
+    int8 = 8 in cpu_kernels.int8_bits()
+    for got, ref in zip([model(ids[:, :3]), model(mx.concatenate([ids] * 4, axis=1))], refs):
         scale = mx.max(mx.abs(ref)).item()
         assert mx.max(mx.abs(got - ref)).item() <= (INT8_LOGIT_TOL if int8 else 1e-4) * scale
         if not int8:

@@ -186,6 +186,33 @@ def test_requests_join_and_leave(engine):
         assert [s.token for s in out if s.token is not None] == engine.generate(p, max_tokens=n).token_ids
 
 
+def test_prefill_leaves_the_last_prompt_tokens_to_one_forward(engine, monkeypatch):
+    """Newcomers' prompts but their last tokens go through batched forwards whose logits are never
+    evaluated (no output head over the prompt); one forward of every newcomer's last prompt token gives the
+    first tokens (a one-token prompt joins only that one); then one-token decode forwards. Each answer
+    equals `generate` alone."""
+    sched = engine.scheduler(prefix_cache=False)
+    forwards, real = [], sched._forward
+
+    def spy(reqs, chunks, inputs=None, tapped=False):
+        forwards.append(None if inputs is not None else [list(c) for c in chunks])  # None: a decode forward
+        return real(reqs, chunks, inputs, tapped)
+
+    monkeypatch.setattr(sched, "_forward", spy)
+    prompts = [engine.encode(PROMPTS[0]), engine.encode(PROMPTS[4]), engine.encode(PROMPTS[1])[:1]]
+    outs = [[] for _ in prompts]
+    for ids, out in zip(prompts, outs):
+        sched.add(engine._batch_request(ids, SamplingParams(max_tokens=5), out.append))
+    while sched.busy:
+        sched.step()
+    assert len(prompts[0]) > 2 and len(prompts[1]) > 2 and len(prompts[2]) == 1
+    assert forwards[0] == [prompts[0][:-1], prompts[1][:-1]]
+    assert forwards[1] == [[p[-1]] for p in prompts]
+    assert forwards[2:] == [None] * (len(forwards) - 2) and len(forwards) >= 5
+    for ids, out in zip(prompts, outs):
+        assert [s.token for s in out if s.token is not None] == engine.generate(ids, max_tokens=5).token_ids
+
+
 def test_lone_request_decodes_on_the_kernel(engine, kernel_calls):
     """A request running alone decodes on a fused step of one row (faster than its own cache's view where the
     kernel runs) and gives the tokens of `generate` (its prompt, maybe partly cached by earlier tests, is
