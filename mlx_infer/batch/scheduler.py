@@ -33,7 +33,7 @@ import mlx.nn as nn
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_BATCH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
 from ..kv.attention_hook import install as install_attention_hook
-from ..kv.batch import BatchStep, fused_attention_applies
+from ..kv.batch import BatchStep
 from ..kv.errors import KVBudgetError
 from ..kv.observe import QueryRows, QueryTap
 from ..kv.session import KVRequest, PagedKV, over_budget, release, reserved_blocks
@@ -246,10 +246,11 @@ class BatchScheduler:
         kv/batch.py), and with `tapped` the rotated queries of each evicting request's real tokens
         ({b: QueryTap.rows(b, n_b)}); `inputs` [B, L], when given, replaces the ids
         (chunks then give only the lengths). A lone
-        request runs on its own paged cache (a contiguous view instead of a gather, and MLX's causal mask: 9%
-        less time per decode step on the default model than a gathered step) unless the step's attention runs
-        on the paged-attention kernel, which is never slower than that view (1.00-1.08x per decode step at 100
-        tokens of context, 1.24x at 1500, 1.38x at 2000: `bench/kv_core.py --batched`)."""
+        request runs on its own paged cache (PagedKVCache: its tokens in consecutive slots attend on the
+        kernel through a dense buffer's operands and are written with one slice update; no per-step row
+        index is built): 0.94x the time of a one-row BatchStep on the kernel at 100 tokens of context, 0.97x
+        at 1500 (`bench/kv_core.py --batched --contexts 100,1500 --batches 1`, commit 55348e8; through
+        generate_batch 93.4 against 85.4 decode tok/s)."""
         if not tapped:
             return self._run(reqs, chunks, inputs), {}
         if self._tap is None:
@@ -260,7 +261,7 @@ class BatchScheduler:
 
     def _run(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array]) -> mx.array:
         """The forward of `_forward`: logits [B, L, V]."""
-        if len(reqs) == 1 and not (self._fused and fused_attention_applies(self.kv.pool, max(map(len, chunks)))):
+        if len(reqs) == 1:
             return self.model(mx.array(chunks[0])[None] if inputs is None else inputs, cache=reqs[0].cache)
         step = BatchStep([r.sequence for r in reqs], [len(c) for c in chunks])
         logits = self.model(step.inputs(chunks) if inputs is None else inputs, cache=step.caches())

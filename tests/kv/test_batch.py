@@ -19,6 +19,7 @@ from mlx_infer.kernels import cpu
 from mlx_infer.kernels.paged_attention import PAGED_MAX_QUERIES
 from mlx_infer.kv import KVBudgetError, make_paged_cache, make_pool
 from mlx_infer.kv import batch as kv_batch
+from mlx_infer.kv import cache as kv_cache
 from mlx_infer.kv.attention_hook import install as install_attention_hook
 from mlx_infer.kv.batch import BatchStep
 
@@ -213,18 +214,30 @@ def test_prefill_leaves_the_last_prompt_tokens_to_one_forward(engine, monkeypatc
         assert [s.token for s in out if s.token is not None] == engine.generate(ids, max_tokens=5).token_ids
 
 
-def test_lone_request_decodes_on_the_kernel(engine, kernel_calls):
-    """A request running alone decodes on a fused step of one row (faster than its own cache's view where the
-    kernel runs) and gives the tokens of `generate` (its prompt, maybe partly cached by earlier tests, is
-    prefilled on its own cache or, a chunk of at most PAGED_MAX_QUERIES tokens, on the kernel too)."""
+def test_lone_request_runs_on_its_own_cache(engine, kernel_calls, monkeypatch):
+    """A request running alone runs every forward on its own PagedKVCache (no batched step: its decode
+    steps attend on the kernel through the cache's run path, one query row each, no row index built; a
+    remainder of its prompt of at most PAGED_MAX_QUERIES tokens, the rest cached by earlier tests, too) and
+    gives the tokens of `generate`."""
     sched = engine.scheduler()
+    lone_calls = []
+    real = kv_cache.paged_attention
+
+    def spy(q, *args):
+        lone_calls.append(tuple(q.shape))
+        return real(q, *args)
+
+    monkeypatch.setattr(kv_cache, "paged_attention", spy)
+    steps = []
+    monkeypatch.setattr(kv_batch.BatchStep, "done", lambda self: steps.append(self.shape))
     out = []
     sched.add(engine._batch_request(engine.encode(PROMPTS[3]), SamplingParams(max_tokens=12), out.append))
     while sched.busy:
         sched.step()
     assert [s.token for s in out if s.token is not None] == engine.generate(PROMPTS[3], max_tokens=12).token_ids
-    assert {c[0] for c in kernel_calls} == {1} and all(c[2] <= PAGED_MAX_QUERIES for c in kernel_calls)
-    assert sum(c[2] == 1 for c in kernel_calls) >= 10 * len(engine.model.layers)  # the decode steps
+    assert steps == [] and kernel_calls == []  # no BatchStep, no batched attention
+    assert {c[0] for c in lone_calls} == {1} and all(c[2] <= PAGED_MAX_QUERIES for c in lone_calls)
+    assert sum(c[2] == 1 for c in lone_calls) >= 10 * len(engine.model.layers)  # the decode steps
 
 
 def test_kv_budget_admission(default_gguf):
