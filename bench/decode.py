@@ -44,7 +44,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_map_with_path  # noqa: E402
 from mlx_lm import load as mlx_lm_load, stream_generate  # noqa: E402
 
-from mlx_infer.kernels.rms_norm import KernelRMSNorm  # noqa: E402
+from mlx_lm.models import gemma3_text  # noqa: E402
+
+from mlx_infer.kernels.rms_norm import KernelOffsetRMSNorm, KernelRMSNorm  # noqa: E402
 from mlx_infer.kernels.rope import KernelRoPE  # noqa: E402
 from mlx_infer.speculative.cost import COST_CONTEXT, COST_REPEATS, measure_cost_curve  # noqa: E402
 
@@ -67,11 +69,15 @@ def mlx_infer_runner(engine, prompt_ids, max_tokens):
 
 
 def with_mlx_layers(model: nn.Module) -> nn.Module:
-    """`model` (in place) with mlx-infer's RMSNorm / RoPE kernel layers swapped back for mlx.nn's own (same
-    weights); the quantized products stay on the kernel."""
+    """`model` (in place) with mlx-infer's RMSNorm / RoPE kernel layers swapped back for mlx.nn's own (Gemma's
+    norm for mlx-lm's; same weights); the quantized products stay on the kernel."""
     def swap(_, m):
         if isinstance(m, KernelRMSNorm):
             plain = nn.RMSNorm(m.weight.shape[0], eps=m.eps)
+            plain.weight = m.weight
+            return plain
+        if isinstance(m, KernelOffsetRMSNorm):  # Gemma's (the same formula in every Gemma module of mlx-lm)
+            plain = gemma3_text.RMSNorm(m.weight.shape[0], eps=m.eps)
             plain.weight = m.weight
             return plain
         if isinstance(m, KernelRoPE):
@@ -82,8 +88,10 @@ def with_mlx_layers(model: nn.Module) -> nn.Module:
     return model
 
 
-def llama_cpp_runner(gguf_path, prompt, max_tokens):
-    """llama.cpp through llama-cpp-python (None when it is not installed)."""
+def llama_cpp_runner(gguf_path, prompt_ids, max_tokens):
+    """llama.cpp through llama-cpp-python (None when it is not installed), given the very token ids the
+    other rows decode from (mlx-infer's chat-templated prompt): llama-cpp-python's own chat handler gave
+    Gemma-3's GGUF an empty answer."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -91,9 +99,9 @@ def llama_cpp_runner(gguf_path, prompt, max_tokens):
     llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
 
     def run():
-        messages = [{"role": "user", "content": prompt}]
         llm.reset()  # else it keeps the evaluated prompt and the next TTFT is no prefill
-        return time_tokens(llm.create_chat_completion(messages, max_tokens=max_tokens, temperature=0.0, stream=True))
+        return time_tokens(llm.create_completion(list(prompt_ids), max_tokens=max_tokens, temperature=0.0,
+                                                 stream=True))
 
     return run
 
@@ -182,7 +190,7 @@ def main():
         "mlx-infer (float32)": mlx_infer_runner(fast, prompt_ids, args.max_tokens),
     }
     if native.source.kind in ("gguf", "default"):
-        peer = llama_cpp_runner(native.source.path, PROMPT, args.max_tokens)
+        peer = llama_cpp_runner(native.source.path, prompt_ids, args.max_tokens)
         if peer is not None:
             runners["llama.cpp"] = peer
     for run in runners.values():  # warm-up: compile, page in weights
@@ -208,10 +216,11 @@ def main():
     print(f"model: {native.source.name} ({native.source.path.name}); prompt {len(prompt_ids)} tokens; "
           f"{args.max_tokens} new tokens; median of {args.trials} interleaved trials")
     print(machine_line(info))
-    print(f"{'path':<42}{'TTFT s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs mlx-lm':>11}")
+    print(f"{'path':<42}{'TTFT s':>9}{'prefill tok/s':>15}{'tokens':>8}{'decode tok/s':>14}{'vs mlx-lm':>11}")
     for r in rows:
         ratio = f"{r['decode_vs_mlx_lm']:.2f}x" if r["decode_vs_mlx_lm"] else "-"
-        print(f"{r['name']:<42}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['decode_tps']:>14.1f}{ratio:>11}")
+        print(f"{r['name']:<42}{r['ttft_s']:>9.3f}{r['prefill_tps']:>15.1f}{r['tokens']:>8.0f}{r['decode_tps']:>14.1f}"
+              f"{ratio:>11}")
     curves = {}
     if args.curve_rounds > 0:
         vocab = native.tokenizer.vocab_size

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from .qmm import qmm
-from .rms_norm import KernelRMSNorm
+from .rms_norm import OFFSET_RMS_NORMS, KernelOffsetRMSNorm, KernelRMSNorm
 from .rope import ROPE_ATTENTIONS, KernelRoPE, KernelRoPEAttention
 from .swiglu import SWIGLU_MLPS, KernelSwiGLUMLP
 
@@ -123,6 +123,8 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
         return KernelQuantizedEmbedding(module)
     if type(module) is nn.RMSNorm:
         return KernelRMSNorm(module)
+    if type(module) in OFFSET_RMS_NORMS:
+        return KernelOffsetRMSNorm(module)
     if type(module) is nn.RoPE:
         return KernelRoPE(module)
     return module
@@ -130,7 +132,7 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
 
 def use_kernels(model: nn.Module) -> int:
     """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support, every
-    nn.RMSNorm and nn.RoPE, every SwiGLU MLP of mlx-lm's llama / qwen2 / qwen3 and every llama / qwen2
+    nn.RMSNorm (and Gemma's RMSNorm) and nn.RoPE, every SwiGLU MLP of mlx-lm's llama / qwen2 / qwen3 and every llama / qwen2
     attention block whose RoPE is an nn.RoPE, for its kernel twin, in
     place (same arrays; layers already swapped, unsupported or of other classes, such as a model's own norm
     class, are left as they are).

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from qmm_helpers import ops_in_graph
 
-from mlx_infer.kernels.rms_norm import rms_norm
+from mlx_lm.models import gemma3_text
+
+from mlx_infer.kernels.rms_norm import KernelOffsetRMSNorm, rms_norm
 import mlx.nn as nn
 
 from mlx_infer.kernels.rope import KernelRoPE, rope, rope_heads
@@ -52,6 +54,26 @@ def test_rms_norm_reads_strided_inputs(cpu_kernels):
         got = rms_norm(x, w, 1e-6)
         assert got.shape == x.shape
         np.testing.assert_allclose(f64(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norm_equals_the_oracle(cpu_kernels, dtype):
+    """Gemma's RMSNorm (weight + 1) on the kernel: within the kernel's rounding of the float64 oracle, as
+    close as mlx-lm's own module; one weight array, the module's; other classes rejected."""
+    rng = np.random.default_rng(2)
+    layer = gemma3_text.RMSNorm(256, eps=1e-6)
+    layer.weight = mx.array(rng.standard_normal(256) * 0.3).astype(dtype)
+    x = mx.array(rng.standard_normal((2, 4, 3, 256)) * 3).astype(dtype)
+    twin = KernelOffsetRMSNorm(layer)
+    assert twin["weight"] is layer["weight"]
+    got, ref = twin(x), layer(x)
+    assert got.dtype == ref.dtype == dtype
+    want = rms_oracle(f64(x), f64(1.0 + layer.weight), 1e-6)  # 1 + weight rounded in its dtype, as mlx-lm
+    tol = 2.5 * EPS[dtype] * np.abs(want) + 1e-6
+    assert np.all(np.abs(f64(got) - want) <= tol)
+    assert np.all(np.abs(f64(ref) - want) <= 2 * tol)
+    with pytest.raises(ValueError, match="Gemma"):
+        KernelOffsetRMSNorm(nn.RMSNorm(256))
 
 
 def rope_oracle(x: np.ndarray, dims: int, traditional: bool, inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
