@@ -131,11 +131,11 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
 
 
 def use_kernels(model: nn.Module) -> int:
-    """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support, every
-    nn.RMSNorm (and Gemma's RMSNorm) and nn.RoPE, every SwiGLU MLP of mlx-lm's llama / qwen2 / qwen3 and every llama / qwen2
-    attention block whose RoPE is an nn.RoPE, for its kernel twin, in
-    place (same arrays; layers already swapped, unsupported or of other classes, such as a model's own norm
-    class, are left as they are).
+    """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support (2/3/5/6-bit
+    codes widened to 8 bits), every nn.RMSNorm, Gemma's RMSNorm and nn.RoPE, every SwiGLU MLP of mlx-lm's
+    llama / qwen2 / qwen3 and every llama / qwen2 attention block whose RoPE is an nn.RoPE, for its kernel
+    twin, in place (same arrays; layers already swapped, unsupported or of other classes, such as another
+    model's own norm class, are left as they are).
 
     Returns:
         How many modules were swapped.

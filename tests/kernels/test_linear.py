@@ -16,7 +16,8 @@ from qmm_helpers import run_in_variant
 import mlx_infer
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
-from mlx_infer.kernels.linear import WIDENED_BITS, KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels, widen_codes
+from mlx_infer.kernels.linear import (WIDENED_BITS, KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels,
+                                      widen_codes)
 from mlx_infer.kernels.rms_norm import KernelRMSNorm
 from mlx_infer.kernels.rope import KernelRoPEAttention
 
