@@ -313,13 +313,21 @@ class Engine:
                     raise MlxInferError("a system prompt needs a chat template, and this model has none (or --no-chat-template was given)")
                 return list(self.tokenizer.encode(prompt))
             prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, dict):
+            raise MlxInferError("a chat prompt is a list of messages: wrap the message in a list ([{...}])")
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (list, tuple)):
+            raise MlxInferError(f"the prompt must be a string, a list of chat messages or a list of token ids "
+                                f"(ints), got {type(prompt).__name__}")
         prompt = list(prompt)
         if not prompt:
             raise MlxInferError("the prompt is empty; give some text")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return self._checked_ids(prompt)
+        if not all(isinstance(m, dict) for m in prompt):
+            raise MlxInferError("a list prompt must hold token ids (ints) or chat messages (dicts with 'role' and "
+                                "'content'), not a mix or other values")
         for m in prompt:
-            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            if "role" not in m or not isinstance(m.get("content"), str):
                 raise MlxInferError("each chat message must be a dict with 'role' and 'content' (a string)")
             _check_unicode(m["content"])
         if system:
@@ -621,11 +629,11 @@ class Engine:
             repack: with evict: vToken repacking (True) or Naive-Evict (False, which reserves every token).
 
         Returns:
-            one GenerationResult per prompt, in order (stats.ttft_s counts from the call).
+            one GenerationResult per prompt, in order (stats.ttft_s counts from the call); no prompts, [].
 
         Raises:
-            MlxInferError: a bad prompt or parameter (evict as `stream_steps`), params of another length than
-                prompts; KVBudgetError: a request that can never fit the KV budget (before anything runs).
+            MlxInferError: a bad prompt (its message starts with "prompt i: ") or parameter (evict as
+                `stream_steps`), params of another length than prompts; KVBudgetError: a request that can never fit the KV budget (before anything runs).
         """
         if isinstance(prompts, str):
             raise MlxInferError("generate_batch takes a list of prompts; for one prompt use generate, or pass [prompt]")
@@ -636,7 +644,12 @@ class Engine:
         if len(params) != len(prompts):
             raise MlxInferError(f"{len(prompts)} prompts but {len(params)} params: give one, or one per prompt")
         params = [p.with_(**sampling) if sampling else p for p in params]
-        ids = [self.encode_fitting(p, system, chat_template) for p in prompts]
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.encode_fitting(p, system, chat_template))
+            except MlxInferError as e:
+                raise MlxInferError(f"prompt {i}: {e}") from e
         sched = self.scheduler(max_batch, prefix_cache)
         steps: List[list] = [[] for _ in prompts]
         requests = [self._batch_request(i, p, s.append, speculative, evict, repack)

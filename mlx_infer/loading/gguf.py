@@ -322,8 +322,10 @@ def write_conversion(path: Path, staging: Path, out_dir: Path, progress: Optiona
 def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path:
     """The cached MLX directory of a GGUF file, converting it on first use.
 
-    The cache key is the file's resolved path, size and modification time, and the converter
-    version, so an edited or replaced file is converted again. A conversion already in the cache
+    The cache key is the file's name, size and modification time (not its directory: the same file
+    installed in several virtual environments, whose installers keep the packaged modification time,
+    is converted once), and the converter version, so an edited or replaced file is converted again.
+    A conversion already in the cache
     is used even when the cache is read-only; when the cache cannot be written, the file is
     converted into a temporary directory (removed when the process exits) with one warning.
     """
@@ -332,7 +334,7 @@ def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path
         raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
     st = path.stat()
     key = hashlib.sha256(
-        f"{path}|{st.st_size}|{st.st_mtime_ns}|{GGUF_CONVERTER_VERSION}".encode()
+        f"{path.name}|{st.st_size}|{st.st_mtime_ns}|{GGUF_CONVERTER_VERSION}".encode()
     ).hexdigest()[:16]
     out_dir = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (out_dir / "config.json").is_file():

@@ -23,3 +23,18 @@ def test_decode_inverts_encode_and_matches_generate(default_engine):
 def test_decode_refuses_ids_outside_the_vocabulary(default_engine, ids, needle):
     with pytest.raises(MlxInferError, match=needle):
         default_engine.decode(ids)
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    (42, "got int"), (None, "got NoneType"), (b"Hi", "got bytes"),
+    ({"role": "user", "content": "Hi"}, "wrap the message in a list"),
+    ([[1.5, 2.0]], "token ids \\(ints\\) or chat messages"), ([1, "a"], "not a mix"),
+    ([{"role": "user"}], "each chat message must be a dict"), ([], "the prompt is empty"),
+])
+def test_encode_refuses_what_is_no_prompt(default_engine, prompt, needle):
+    """A prompt of another kind than a string, messages or token ids is one MlxInferError that says what
+    was wrong, never a TypeError or bytes read as token ids; the same through generate."""
+    with pytest.raises(MlxInferError, match=needle):
+        default_engine.encode(prompt)
+    with pytest.raises(MlxInferError, match=needle):
+        default_engine.generate(prompt, max_tokens=1)

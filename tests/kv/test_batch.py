@@ -337,8 +337,13 @@ def test_runner_left_open_closes_at_exit(default_gguf, tmp_path):
 def test_generate_batch_bad_input(engine):
     with pytest.raises(MlxInferError, match="2 prompts but 3 params"):
         engine.generate_batch(["a", "b"], [SamplingParams()] * 3)
-    with pytest.raises(MlxInferError, match="prompt is empty"):
+    with pytest.raises(MlxInferError, match="^prompt 1: the prompt is empty"):
         engine.generate_batch(["a", " "])
+    with pytest.raises(MlxInferError, match="^prompt 1: the prompt must be a string.*got int"):
+        engine.generate_batch(["a", 42])
+    with pytest.raises(MlxInferError, match="^prompt 0: .*got bytes"):
+        engine.generate_batch([b"Hi"])
+    assert engine.generate_batch([]) == []
     with pytest.raises(MlxInferError, match="max_batch"):
         engine.generate_batch(["a"], max_batch=0)
     with pytest.raises(MlxInferError, match="a list of prompts"):

@@ -1,4 +1,5 @@
-"""The GGUF conversion cache when it cannot be written, and `convert` into a path it cannot write.
+"""The GGUF conversion cache: one conversion for copies of a file wherever they lie, an edited file
+converted again; when the cache cannot be written, and `convert` into a path it cannot write.
 
 As in tests/test_paths.py: "cannot be written" is a path under a regular file (fails for root
 too); a populated read-only cache is played by making every new directory fail with EACCES.
@@ -6,6 +7,7 @@ too); a populated read-only cache is played by making every new directory fail w
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -31,6 +33,27 @@ def blocked(tmp_path, monkeypatch):
     path.write_text("not a directory")
     monkeypatch.setattr(paths, "_warned", set())
     return path
+
+
+def test_copies_share_one_conversion_and_an_edit_converts_again(tiny, tmp_path, monkeypatch):
+    """The same file in two directories (as pip installs a package's GGUF in each virtual environment,
+    keeping its modification time) is converted once; the same name with other bytes or another time
+    is not taken for it."""
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path / "cache"))
+    copies = []
+    for d in ("venv-a", "venv-b"):
+        (tmp_path / d).mkdir()
+        copies.append(shutil.copy2(tiny, tmp_path / d / tiny.name))  # copy2 keeps the modification time
+    first = gguf_mod.cached_conversion(copies[0])
+    monkeypatch.setattr(gguf_mod, "convert_weights", lambda *a, **k: pytest.fail("converted again"))
+    assert gguf_mod.cached_conversion(copies[1]) == first
+    monkeypatch.undo()
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path / "cache"))
+    st = os.stat(copies[1])
+    os.utime(copies[1], ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # touched: another file for the cache
+    touched = gguf_mod.cached_conversion(copies[1])
+    assert touched != first and (touched / "config.json").is_file()
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
 
 
 def test_converted_model_in_a_read_only_cache_loads(tiny, tmp_path, monkeypatch):
