@@ -52,14 +52,20 @@ def kernel_calls(monkeypatch):
     cpu.build_cpu_kernels(quiet=True)
     cpu.refresh()
     assert cpu.available(), cpu.why_not()
+    return spy_paged_attention(monkeypatch, kv_batch)
+
+
+def spy_paged_attention(monkeypatch, module) -> list:
+    """The list that records the query shape of every `paged_attention` call `module` makes (kv.batch: the
+    batched steps; kv.cache: a PagedKVCache's own decode and verify steps)."""
     calls = []
-    real = kv_batch.paged_attention
+    real = module.paged_attention
 
     def spy(q, *args):
         calls.append(tuple(q.shape))
         return real(q, *args)
 
-    monkeypatch.setattr(kv_batch, "paged_attention", spy)
+    monkeypatch.setattr(module, "paged_attention", spy)
     return calls
 
 
@@ -220,14 +226,7 @@ def test_lone_request_runs_on_its_own_cache(engine, kernel_calls, monkeypatch):
     remainder of its prompt of at most PAGED_MAX_QUERIES tokens, the rest cached by earlier tests, too) and
     gives the tokens of `generate`."""
     sched = engine.scheduler()
-    lone_calls = []
-    real = kv_cache.paged_attention
-
-    def spy(q, *args):
-        lone_calls.append(tuple(q.shape))
-        return real(q, *args)
-
-    monkeypatch.setattr(kv_cache, "paged_attention", spy)
+    lone_calls = spy_paged_attention(monkeypatch, kv_cache)
     steps = []
     monkeypatch.setattr(kv_batch.BatchStep, "done", lambda self: steps.append(self.shape))
     out = []
