@@ -8,6 +8,7 @@
 
 import copy
 import numbers
+from collections.abc import Iterable
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Union
@@ -315,7 +316,7 @@ class Engine:
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, dict):
             raise MlxInferError("a chat prompt is a list of messages: wrap the message in a list ([{...}])")
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (list, tuple)):
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
             raise MlxInferError(f"the prompt must be a string, a list of chat messages or a list of token ids "
                                 f"(ints), got {type(prompt).__name__}")
         prompt = list(prompt)
@@ -633,7 +634,8 @@ class Engine:
 
         Raises:
             MlxInferError: a bad prompt (its message starts with "prompt i: ") or parameter (evict as
-                `stream_steps`), params of another length than prompts; KVBudgetError: a request that can never fit the KV budget (before anything runs).
+                `stream_steps`), params of another length than prompts; KVBudgetError: a request that can
+                never fit the KV budget (before anything runs).
         """
         if isinstance(prompts, str):
             raise MlxInferError("generate_batch takes a list of prompts; for one prompt use generate, or pass [prompt]")

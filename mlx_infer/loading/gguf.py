@@ -325,9 +325,9 @@ def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path
     The cache key is the file's name, size and modification time (not its directory: the same file
     installed in several virtual environments, whose installers keep the packaged modification time,
     is converted once), and the converter version, so an edited or replaced file is converted again.
-    A conversion already in the cache
-    is used even when the cache is read-only; when the cache cannot be written, the file is
-    converted into a temporary directory (removed when the process exits) with one warning.
+    A conversion already in the cache is used even when the cache is read-only; when the cache cannot
+    be written, the file is converted into a temporary directory (removed when the process exits) with
+    one warning.
     """
     path = Path(path).expanduser().resolve()
     if not path.is_file():

@@ -38,3 +38,12 @@ def test_encode_refuses_what_is_no_prompt(default_engine, prompt, needle):
         default_engine.encode(prompt)
     with pytest.raises(MlxInferError, match=needle):
         default_engine.generate(prompt, max_tokens=1)
+
+
+
+def test_encode_takes_token_ids_from_any_iterable(default_engine):
+    """Token ids need not be a list: a tuple, a range or a generator of ints gives the same ids."""
+    ids = default_engine.encode("Hello there")
+    for form in (tuple(ids), range(ids[0], ids[0] + 1), (t for t in ids)):
+        want = list(range(ids[0], ids[0] + 1)) if isinstance(form, range) else ids
+        assert default_engine.encode(form) == want
