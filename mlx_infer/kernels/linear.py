@@ -12,10 +12,13 @@ rather than running MLX's quantized matmul, a scalar loop on the CPU. On Gemma-3
 its 127 quantized layers (measured in docs/kernels.md: decode 2.5-3.5x, TTFT 10-20x, 23 MiB more).
 """
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from .fused import FusedLinear, fusable
 from .qmm import qmm
 from .rms_norm import OFFSET_RMS_NORMS, KernelOffsetRMSNorm, KernelRMSNorm
 from .rope import ROPE_ATTENTIONS, KernelRoPE, KernelRoPEAttention
@@ -27,7 +30,8 @@ KERNEL_GROUP_SIZES = (32, 64, 128)
 #: Bit widths whose codes are widened to 8 bits (`widen_codes`) so that the kernels run the layer.
 WIDENED_BITS = (2, 3, 5, 6)
 
-__all__ = ["KernelQuantizedLinear", "KernelQuantizedEmbedding", "supports", "use_kernels", "widen_codes"]
+__all__ = ["KernelQuantizedLinear", "KernelQuantizedEmbedding", "fuse_projections", "supports", "use_kernels",
+           "widen_codes"]
 
 
 def supports(layer: nn.Module) -> bool:
@@ -130,22 +134,27 @@ def _swap(path: str, module: nn.Module) -> nn.Module:
     return module
 
 
+def fuse_projections(*layers: nn.Module) -> Optional[FusedLinear]:
+    """The layers (of one input) as one FusedLinear when all are KernelQuantizedLinear that `fusable`
+    accepts (their arrays become views of the fused ones), else None (they stay as they are)."""
+    if all(type(layer) is KernelQuantizedLinear for layer in layers) and fusable(layers):
+        return FusedLinear(layers)
+    return None
+
+
 def use_kernels(model: nn.Module) -> int:
     """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support (2/3/5/6-bit
     codes widened to 8 bits), every nn.RMSNorm, Gemma's RMSNorm and nn.RoPE, every SwiGLU MLP of mlx-lm's
     llama / qwen2 / qwen3 and every llama / qwen2 attention block whose RoPE is an nn.RoPE, for its kernel
     twin, in place (same arrays; layers already swapped, unsupported or of other classes, such as another
-    model's own norm class, are left as they are).
+    model's own norm class, are left as they are). The twins of the MLPs and attention blocks run their
+    gate / up and q / k / v projections as one product each where those are kernel layers of one format
+    (`fuse_projections`, kernels/fused.py: bit-identical outputs, no weight kept twice).
 
     Returns:
         How many modules were swapped.
     """
     swapped = 0
-    for _, parent in model.named_modules():
-        for key, child in parent.children().items():
-            if type(child) in SWIGLU_MLPS:
-                setattr(parent, key, KernelSwiGLUMLP(child))
-                swapped += 1
 
     def swap(path: str, module: nn.Module) -> nn.Module:
         nonlocal swapped
@@ -155,9 +164,13 @@ def use_kernels(model: nn.Module) -> int:
 
     leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
-    for _, parent in model.named_modules():  # after the leaves: the attention's rope is a KernelRoPE now
+    for _, parent in model.named_modules():  # after the leaves: the projections and the rope are kernel twins now
         for key, child in parent.children().items():
-            if type(child) in ROPE_ATTENTIONS and isinstance(child.rope, KernelRoPE):
-                setattr(parent, key, KernelRoPEAttention(child))
+            if type(child) in SWIGLU_MLPS:
+                setattr(parent, key, KernelSwiGLUMLP(child, fuse_projections(child.gate_proj, child.up_proj)))
+                swapped += 1
+            elif type(child) in ROPE_ATTENTIONS and isinstance(child.rope, KernelRoPE):
+                qkv = fuse_projections(child.q_proj, child.k_proj, child.v_proj)
+                setattr(parent, key, KernelRoPEAttention(child, qkv))
                 swapped += 1
     return swapped

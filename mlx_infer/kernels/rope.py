@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 
 from . import cpu
+from .fused import FusedLinear
 
 __all__ = ["KernelRoPE", "KernelRoPEAttention", "ROPE_ATTENTIONS", "rope", "rope_backend", "rope_heads"]
 
@@ -82,9 +83,10 @@ class KernelRoPEAttention(nn.Module):
     """An mlx-lm attention block (one of ROPE_ATTENTIONS, its RoPE a KernelRoPE) whose heads are split and
     rotated by `rope_heads`: x [B, L, D] -> [B, L, D], the same computation. Holds the same q_proj / k_proj /
     v_proj / o_proj and rope modules (same parameter names) and calls the `scaled_dot_product_attention` of
-    the block's mlx-lm module, as rebound there (kv/attention_hook.py)."""
+    the block's mlx-lm module, as rebound there (kv/attention_hook.py). With `qkv` (a FusedLinear of its
+    q_proj, k_proj and v_proj) the three projections run as one product while it still covers them."""
 
-    def __init__(self, attn: nn.Module):
+    def __init__(self, attn: nn.Module, qkv: Optional[FusedLinear] = None):
         """Wrap `attn`'s modules without copying them. Raises ValueError when `attn` is not one of
         ROPE_ATTENTIONS or its rope is not a KernelRoPE."""
         if type(attn) not in ROPE_ATTENTIONS or not isinstance(attn.rope, KernelRoPE):
@@ -93,6 +95,7 @@ class KernelRoPEAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.rope = attn.rope
+        self.qkv = qkv  # (not a Module: its arrays are the projections')
         self._home = sys.modules[type(attn).__module__]
 
     @property
@@ -103,8 +106,11 @@ class KernelRoPEAttention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         B, L, _ = x.shape
         offset = 0 if cache is None else cache.offset
-        q, k, v = rope_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.n_heads, self.n_kv_heads,
-                             self.rope, offset)  # [B, heads, L, D]
+        if self.qkv is not None and self.qkv.covers(self.q_proj, self.k_proj, self.v_proj):
+            q, k, v = self.qkv(x)  # [B, L, heads * D] each
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = rope_heads(q, k, v, self.n_heads, self.n_kv_heads, self.rope, offset)  # [B, heads, L, D]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = self._home.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)

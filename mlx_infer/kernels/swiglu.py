@@ -10,12 +10,15 @@ gate * (1 / (1 + e^-gate)) * up in float32 with the vector e^x of the attention 
 e^x); elsewhere, and for float16 / bfloat16, mlx-lm's `swiglu` runs.
 """
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from . import cpu
+from .fused import FusedLinear
 
 __all__ = ["KernelSwiGLUMLP", "SWIGLU_MLPS", "swiglu", "swiglu_backend"]
 
@@ -40,15 +43,21 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 class KernelSwiGLUMLP(nn.Module):
     """An mlx-lm SwiGLU MLP (one of SWIGLU_MLPS) whose gate runs through `swiglu`: x [..., D] -> [..., D].
-    Holds the same gate_proj / up_proj / down_proj modules (same parameter names)."""
+    Holds the same gate_proj / up_proj / down_proj modules (same parameter names). With `gate_up` (a
+    FusedLinear of its gate_proj and up_proj) the two run as one product while it still covers them."""
 
-    def __init__(self, mlp: nn.Module):
+    def __init__(self, mlp: nn.Module, gate_up: Optional[FusedLinear] = None):
         """Wrap `mlp`'s three projections without copying them. Raises ValueError when `mlp` is not
         one of SWIGLU_MLPS."""
         if type(mlp) not in SWIGLU_MLPS:
             raise ValueError(f"not a SwiGLU MLP of mlx-lm: {type(mlp).__name__}")
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.gate_up = gate_up  # (not a Module: its arrays are the projections')
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up is not None and self.gate_up.covers(self.gate_proj, self.up_proj):
+            gate, up = self.gate_up(x)  # [..., F] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(gate, up))
