@@ -58,6 +58,8 @@ NB_MODULE(_cpu_kernels, m) {
         "k, v, with q and k rotated as rope() rotates them (see rope.h).");
   m.def("swiglu", &mlx_infer_kernels::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y = gate * sigmoid(gate) * up, float32 (SwiGLU's gate, see swiglu.h).");
+  m.def("geglu", &mlx_infer_kernels::geglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "y = gelu_approx(gate) * up, float32 (GeGLU's gate with GELU's tanh approximation, see swiglu.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("int8_bits", &mlx_infer_kernels::int8_bits,
         "The weight bit widths whose products round x to int8 in chunks of 32 (empty: all in float32).");

@@ -465,9 +465,16 @@ void dequant(const QmmArgs& a, int n0, int n1, float* out) {
   }
 }
 
-// y[i] = g[i] * sigmoid(g[i]) * u[i] for i < n, sigmoid(g) = 1 / (1 + e^-g) (SwiGLU's gate).
-template <class S>
-void swiglu_values(const float* g, const float* u, float* y, int64_t n) {
+// GELU's tanh approximation as a sigmoid: 0.5 * (1 + tanh(t)) = sigmoid(2t), t = c * (g + 0.044715 g^3),
+// c = sqrt(2 / pi), so gelu_approx(g) = g * sigmoid(g * (2c + 2c * 0.044715 * g^2)).
+constexpr float kGeluA = 1.5957691216057308f;   // 2 * sqrt(2 / pi)
+constexpr float kGeluB = 0.0713548162726009f;   // 2 * sqrt(2 / pi) * 0.044715
+
+// y[i] = g[i] * sigmoid(a[i]) * u[i] for i < n, sigmoid(a) = 1 / (1 + e^-a), with a = g (SwiGLU's gate,
+// silu(g) * u) or, GELU, a = g * (kGeluA + kGeluB * g^2) (GeGLU's gate with GELU's tanh approximation,
+// gelu_approx(g) * u).
+template <class S, bool GELU>
+void gated_values(const float* g, const float* u, float* y, int64_t n) {
   using V = typename S::V;
   constexpr int L = S::L;
   const V one = S::set1(1.0f);
@@ -475,16 +482,30 @@ void swiglu_values(const float* g, const float* u, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + L <= n; i += L) {
     const V gv = S::load(g + i);
-    const V sig = S::div(one, S::add(one, S::exp(S::mul(gv, minus_one))));
+    V arg = gv;
+    if constexpr (GELU) {
+      arg = S::mul(gv, S::fma(S::mul(gv, gv), S::set1(kGeluB), S::set1(kGeluA)));
+    }
+    const V sig = S::div(one, S::add(one, S::exp(S::mul(arg, minus_one))));
     S::store(y + i, S::mul(S::mul(gv, sig), S::load(u + i)));
   }
   if (i < n) {  // the tail, through a zero-padded vector
     float gt[L] = {}, ut[L] = {}, yt[L];
     std::memcpy(gt, g + i, sizeof(float) * size_t(n - i));
     std::memcpy(ut, u + i, sizeof(float) * size_t(n - i));
-    swiglu_values<S>(gt, ut, yt, L);
+    gated_values<S, GELU>(gt, ut, yt, L);
     std::memcpy(y + i, yt, sizeof(float) * size_t(n - i));
   }
+}
+
+template <class S>
+void swiglu_values(const float* g, const float* u, float* y, int64_t n) {
+  gated_values<S, false>(g, u, y, n);
+}
+
+template <class S>
+void geglu_values(const float* g, const float* u, float* y, int64_t n) {
+  gated_values<S, true>(g, u, y, n);
 }
 
 }  // namespace

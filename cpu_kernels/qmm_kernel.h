@@ -147,6 +147,8 @@ struct QmmKernel {
   void (*softmax_rows)(const SoftmaxArgs& a, int64_t r0, int64_t r1);
   // y[i] = g[i] * sigmoid(g[i]) * u[i] for i < n (float32).
   void (*swiglu)(const float* g, const float* u, float* y, int64_t n);
+  // y[i] = gelu_approx(g[i]) * u[i] for i < n (float32; GELU's tanh approximation, as a sigmoid).
+  void (*geglu)(const float* g, const float* u, float* y, int64_t n);
   // The int8-activation product, where the variant has one (nullptr: every product in float32).
   const QmmQ8Kernel* q8 = nullptr;
 };

@@ -14,18 +14,30 @@ namespace {
 // Values per chunk of the pool's parallel_for; fewer than two chunks run on the calling thread.
 constexpr int64_t kSwigluChunk = 16384;
 
+// GELU's tanh approximation as a sigmoid's argument: a = g * (kA + kB * g^2) (qmm_body.h's kGeluA, kGeluB).
+constexpr float kA = 1.5957691216057308f;
+constexpr float kB = 0.0713548162726009f;
+
+mx::array gated(const mx::array& gate, const mx::array& up, Gate kind, const char* op, mx::StreamOrDevice s) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string("[") + op + "] gate and up must be float32");
+  }
+  if (gate.shape() != up.shape()) {
+    throw std::invalid_argument(std::string("[") + op + "] gate and up must have one shape, got " +
+                                shape_str(gate) + " and " + shape_str(up));
+  }
+  mx::Stream stream = cpu_stream(s);
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(stream, kind), {gate, up});
+}
+
 }  // namespace
 
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
-  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
-    throw std::invalid_argument("[swiglu] gate and up must be float32");
-  }
-  if (gate.shape() != up.shape()) {
-    throw std::invalid_argument("[swiglu] gate and up must have one shape, got " + shape_str(gate) + " and " +
-                                shape_str(up));
-  }
-  mx::Stream stream = cpu_stream(s);
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(stream), {gate, up});
+  return gated(gate, up, Gate::silu, "swiglu", s);
+}
+
+mx::array geglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  return gated(gate, up, Gate::gelu_tanh, "geglu", s);
 }
 
 void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -37,22 +49,23 @@ void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   encoder.set_input_array(gate);
   encoder.set_input_array(up);
   encoder.set_output_array(out);
-  encoder.dispatch([gate, up, out]() mutable {
+  encoder.dispatch([gate, up, out, kind = gate_]() mutable {
     std::vector<char> gate_copy, up_copy;  // row-major copies of inputs that are not
     const float* g = static_cast<const float*>(contiguous_data(gate, gate_copy));
     const float* u = static_cast<const float*>(contiguous_data(up, up_copy));
     float* y = out.data<float>();
     const int64_t n = int64_t(out.size());
     const QmmKernel& k = kernel();
+    const auto values = kind == Gate::silu ? k.swiglu : k.geglu;
     ThreadPool& pool = ThreadPool::instance();
     const int chunks = int((n + kSwigluChunk - 1) / kSwigluChunk);
     if (chunks < 2 || pool.size() == 1) {
-      k.swiglu(g, u, y, n);
+      values(g, u, y, n);
       return;
     }
     pool.parallel_for(chunks, [&](int c) {
       const int64_t i0 = c * kSwigluChunk;
-      k.swiglu(g + i0, u + i0, y + i0, std::min(n - i0, kSwigluChunk));
+      values(g + i0, u + i0, y + i0, std::min(n - i0, kSwigluChunk));
     });
   });
 }
@@ -67,13 +80,17 @@ std::vector<mx::array> SwiGlu::vjp(const std::vector<mx::array>& primals, const 
   const mx::array& up = primals[1];
   const mx::array& cot = cotangents[0];
   const mx::Stream s = stream();
-  const mx::array sig = mx::sigmoid(gate, s);
+  const mx::array one = mx::array(1.0f);
+  const mx::array g2 = mx::multiply(gate, gate, s);
+  // the sigmoid's argument a and its derivative da / dgate
+  const mx::array a = gate_ == Gate::silu ? gate : mx::multiply(gate, mx::add(mx::array(kA), mx::multiply(mx::array(kB), g2, s), s), s);
+  const mx::array da = gate_ == Gate::silu ? one : mx::add(mx::array(kA), mx::multiply(mx::array(3.0f * kB), g2, s), s);
+  const mx::array sig = mx::sigmoid(a, s);
   std::vector<mx::array> grads;
   for (int arg : argnums) {
-    if (arg == 0) {
-      const mx::array one = mx::array(1.0f);
-      const mx::array slope = mx::add(one, mx::multiply(gate, mx::subtract(one, sig, s), s), s);
-      grads.push_back(mx::multiply(cot, mx::multiply(up, mx::multiply(sig, slope, s), s), s));
+    if (arg == 0) {  // d(gate * sig(a)) = sig + gate * sig (1 - sig) da
+      const mx::array slope = mx::add(sig, mx::multiply(mx::multiply(gate, mx::multiply(sig, mx::subtract(one, sig, s), s), s), da, s), s);
+      grads.push_back(mx::multiply(cot, mx::multiply(up, slope, s), s));
     } else {
       grads.push_back(mx::multiply(cot, mx::multiply(gate, sig, s), s));
     }

@@ -16,8 +16,11 @@ by the default device and what is available.
   `KernelRoPE`, swapped in by `linear.use_kernels`); MLX's CPU backend runs mx.fast's as 11 and 29. And
   `rope.rope_heads`: attention's heads split and rotated as one operation (`KernelRoPEAttention`, swapped in
   for mlx-lm's llama / qwen2 attention blocks).
-- `swiglu`: SwiGLU's gate, silu(gate) * up, as one operation on the CPU kernel (`KernelSwiGLUMLP`, swapped
-  in by `linear.use_kernels` for mlx-lm's llama / qwen2 / qwen3 MLPs).
+- `swiglu`: SwiGLU's gate, silu(gate) * up, and GeGLU's, gelu_approx(gate) * up, as one operation each on
+  the CPU kernel (`KernelSwiGLUMLP` / `KernelGeGLUMLP`, swapped in by `linear.use_kernels` for mlx-lm's
+  llama / qwen2 / qwen3 and gemma2 / gemma3 MLPs).
+- `fused`: projections of one input (q / k / v, gate / up) as one quantized product (`FusedLinear`, made by
+  `linear.use_kernels` for the attention and MLP twins; the layers keep views of its arrays).
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
   CPU kernel, the GPU body of `gpu_rmm` or the pure-mx reference.
 """

@@ -618,6 +618,25 @@ def cpu_swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return _module().swiglu(gate, up, stream=mx.cpu)
 
 
+def cpu_geglu(gate: mx.array, up: mx.array) -> mx.array:
+    """gelu_approx(gate) * up (GeGLU's gate with GELU's tanh approximation, arXiv 2002.05202, as Gemma's MLP
+    computes it) as one operation on the CPU kernel, where mlx's compiled `gelu_approx` runs through MLX's
+    generated CPU kernel with a scalar tanh (docs/kernels.md).
+
+    Args:
+        gate, up: float32, one shape, any strides.
+
+    Returns:
+        gate * sigmoid(2 sqrt(2 / pi) (gate + 0.044715 gate^3)) * up (= 0.5 gate (1 + tanh(...)) * up),
+        float32, gate's shape, on the CPU stream (sigmoid through the kernel variant's vector e^x).
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: another dtype or differing shapes.
+    """
+    return _module().geglu(gate, up, stream=mx.cpu)
+
+
 def cpu_rope(x: mx.array, dims: int, traditional: bool, base: Optional[float], scale: float, offset,
              freqs: Optional[mx.array] = None) -> mx.array:
     """mx.fast.rope(x, dims, traditional=, base=, scale=, offset=, freqs=) as one operation on the CPU
