@@ -1,4 +1,4 @@
-"""Quantized projections of one input run as one product: attention's q / k / v, a SwiGLU MLP's gate / up.
+"""Quantized projections of one input run as one product: attention's q / k / v, an MLP's gate / up.
 
     qkv = FusedLinear([q_proj, k_proj, v_proj])   # quantized layers of one K, bits, group size and dtypes
     q, k, v = qkv(x)                               # x [..., K] -> [..., N_q], [..., N_k], [..., N_v]
