@@ -17,7 +17,7 @@ by the default device and what is available.
   `rope.rope_heads`: attention's heads split and rotated as one operation (`KernelRoPEAttention`, swapped in
   for mlx-lm's llama / qwen2 attention blocks).
 - `swiglu`: SwiGLU's gate, silu(gate) * up, and GeGLU's, gelu_approx(gate) * up, as one operation each on
-  the CPU kernel (`KernelSwiGLUMLP` / `KernelGeGLUMLP`, swapped in by `linear.use_kernels` for mlx-lm's
+  the CPU kernel (`KernelGatedMLP`, swapped in by `linear.use_kernels` for mlx-lm's
   llama / qwen2 / qwen3 and gemma2 / gemma3 MLPs).
 - `fused`: projections of one input (q / k / v, gate / up) as one quantized product (`FusedLinear`, made by
   `linear.use_kernels` for the attention and MLP twins; the layers keep views of its arrays).

@@ -22,7 +22,7 @@ from .fused import FusedLinear, fusable
 from .qmm import qmm
 from .rms_norm import OFFSET_RMS_NORMS, KernelOffsetRMSNorm, KernelRMSNorm
 from .rope import ROPE_ATTENTIONS, KernelRoPE, KernelRoPEAttention
-from .swiglu import GEGLU_MLPS, SWIGLU_MLPS, KernelGeGLUMLP, KernelSwiGLUMLP
+from .swiglu import GATED_MLPS, KernelGatedMLP
 
 #: What the kernels take: MLX's affine mode at these bit widths and group sizes.
 KERNEL_BITS = (4, 8)
@@ -144,11 +144,10 @@ def fuse_projections(*layers: nn.Module) -> Optional[FusedLinear]:
 
 def use_kernels(model: nn.Module) -> int:
     """Swap every QuantizedLinear and QuantizedEmbedding of `model` that the kernels support (2/3/5/6-bit
-    codes widened to 8 bits), every nn.RMSNorm, Gemma's RMSNorm and nn.RoPE, every SwiGLU MLP of mlx-lm's
-    llama / qwen2 / qwen3 and every llama / qwen2 attention block whose RoPE is an nn.RoPE, for its kernel
-    twin, and Gemma-2 / Gemma-3's GeGLU MLPs for KernelGeGLUMLP, in place (same arrays; layers already
-    swapped, unsupported or of other classes, such as another model's own norm class, are left as they
-    are). The MLP and attention twins run their gate / up and q / k / v projections as one product each
+    codes widened to 8 bits), every nn.RMSNorm, Gemma's RMSNorm and nn.RoPE, every SwiGLU / GeGLU MLP of
+    mlx-lm's llama / qwen2 / qwen3 / gemma2 / gemma3 and every llama / qwen2 attention block whose RoPE is an
+    nn.RoPE, for its kernel twin, in place (same arrays; layers already swapped, unsupported or of other
+    classes, such as another model's own norm class, are left as they are). The MLP and attention twins run their gate / up and q / k / v projections as one product each
     where those are kernel layers of one format (`fuse_projections`, kernels/fused.py: bit-identical
     outputs, no weight kept twice).
 
@@ -167,11 +166,8 @@ def use_kernels(model: nn.Module) -> int:
     model.update_modules(leaves)
     for _, parent in model.named_modules():  # after the leaves: the projections and the rope are kernel twins now
         for key, child in parent.children().items():
-            if type(child) in SWIGLU_MLPS:
-                setattr(parent, key, KernelSwiGLUMLP(child, fuse_projections(child.gate_proj, child.up_proj)))
-                swapped += 1
-            elif type(child) in GEGLU_MLPS:
-                setattr(parent, key, KernelGeGLUMLP(child, fuse_projections(child.gate_proj, child.up_proj)))
+            if type(child) in GATED_MLPS:
+                setattr(parent, key, KernelGatedMLP(child, fuse_projections(child.gate_proj, child.up_proj)))
                 swapped += 1
             elif type(child) in ROPE_ATTENTIONS and isinstance(child.rope, KernelRoPE):
                 qkv = fuse_projections(child.q_proj, child.k_proj, child.v_proj)

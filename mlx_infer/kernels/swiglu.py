@@ -24,12 +24,12 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from . import cpu
 from .fused import FusedLinear
 
-__all__ = ["GEGLU_MLPS", "KernelGeGLUMLP", "KernelSwiGLUMLP", "SWIGLU_MLPS", "geglu", "swiglu", "swiglu_backend"]
+__all__ = ["GATED_MLPS", "KernelGatedMLP", "geglu", "swiglu", "swiglu_backend"]
 
-#: mlx-lm MLP classes whose forward is exactly down_proj(swiglu(gate_proj(x), up_proj(x))).
-SWIGLU_MLPS = (llama.MLP, qwen2.MLP, qwen3.MLP)
-#: mlx-lm MLP classes whose forward is exactly down_proj(nn.gelu_approx(gate_proj(x)) * up_proj(x)).
-GEGLU_MLPS = (gemma2.MLP, gemma3_text.MLP)
+#: mlx-lm MLP classes whose forward is exactly down_proj(GATE(gate_proj(x), up_proj(x))), by their GATE:
+#: "swiglu" (mlx-lm's swiglu, silu(gate) * up) or "geglu" (nn.gelu_approx(gate) * up).
+GATED_MLPS = {llama.MLP: "swiglu", qwen2.MLP: "swiglu", qwen3.MLP: "swiglu",
+              gemma2.MLP: "geglu", gemma3_text.MLP: "geglu"}
 
 
 def swiglu_backend() -> str:
@@ -56,46 +56,25 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
     return cpu.cpu_geglu(gate, up)
 
 
-class KernelSwiGLUMLP(nn.Module):
-    """An mlx-lm SwiGLU MLP (one of SWIGLU_MLPS) whose gate runs through `swiglu`: x [..., D] -> [..., D].
-    Holds the same gate_proj / up_proj / down_proj modules (same parameter names). With `gate_up` (a
-    FusedLinear of its gate_proj and up_proj) the two run as one product while it still covers them."""
-
-    def __init__(self, mlp: nn.Module, gate_up: Optional[FusedLinear] = None):
-        """Wrap `mlp`'s three projections without copying them. Raises ValueError when `mlp` is not
-        one of SWIGLU_MLPS."""
-        if type(mlp) not in SWIGLU_MLPS:
-            raise ValueError(f"not a SwiGLU MLP of mlx-lm: {type(mlp).__name__}")
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self.gate_up = gate_up  # (not a Module: its arrays are the projections')
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.gate_up is not None and self.gate_up.covers(self.gate_proj, self.up_proj):
-            gate, up = self.gate_up(x)  # [..., F] each
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up))
-
-
-class KernelGeGLUMLP(nn.Module):
-    """An mlx-lm GeGLU MLP (one of GEGLU_MLPS: Gemma-2 / Gemma-3) whose gate runs through `geglu`:
-    x [..., D] -> [..., D]. Holds the same gate_proj / up_proj / down_proj modules (same parameter names).
-    With `gate_up` (a FusedLinear of its gate_proj and up_proj) the two run as one product while it still
-    covers them."""
+class KernelGatedMLP(nn.Module):
+    """An mlx-lm gated MLP, one of GATED_MLPS (SwiGLU: llama / qwen2 / qwen3; GeGLU: Gemma-2 / Gemma-3), whose
+    gate runs through `swiglu` or `geglu`: x [..., D] -> [..., D]. Holds the same gate_proj / up_proj /
+    down_proj modules (same parameter names). With `gate_up` (a FusedLinear of its gate_proj and up_proj)
+    the two run as one product while it still covers them."""
 
     def __init__(self, mlp: nn.Module, gate_up: Optional[FusedLinear] = None):
         """Wrap `mlp`'s three projections without copying them. Raises ValueError when `mlp` is not one of
-        GEGLU_MLPS."""
-        if type(mlp) not in GEGLU_MLPS:
-            raise ValueError(f"not a GeGLU MLP of mlx-lm: {type(mlp).__name__}")
+        GATED_MLPS."""
+        if type(mlp) not in GATED_MLPS:
+            raise ValueError(f"not a SwiGLU / GeGLU MLP of mlx-lm: {type(mlp).__name__}")
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.gate_up = gate_up  # (not a Module: its arrays are the projections')
+        self.kind = GATED_MLPS[type(mlp)]  # "swiglu" or "geglu"
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up is not None and self.gate_up.covers(self.gate_proj, self.up_proj):
             gate, up = self.gate_up(x)  # [..., F] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(geglu(gate, up))
+        return self.down_proj(swiglu(gate, up) if self.kind == "swiglu" else geglu(gate, up))

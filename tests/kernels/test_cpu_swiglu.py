@@ -14,7 +14,7 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from qmm_helpers import ops_in_graph, run_in_variant
 
 from mlx_infer.kernels.linear import use_kernels
-from mlx_infer.kernels.swiglu import KernelSwiGLUMLP, swiglu
+from mlx_infer.kernels.swiglu import KernelGatedMLP, swiglu
 
 #: |y - oracle| <= ULPS * eps(float32) * |oracle| + FLOOR: e^x within 2 ulp, then an add, a division and
 #: two products rounded once each; FLOOR covers gates below -87, where e^-gate leaves float32's range.
@@ -86,17 +86,17 @@ def test_use_kernels_swaps_swiglu_mlps(cpu_kernels):
     ref = model(ids)
     mlp_weight = model.model.layers[0].mlp.gate_proj.weight
     assert use_kernels(model) == 2 + 2 * 4 + 1  # an MLP, 2 norms, a RoPE, an attention per layer; the final norm
-    assert all(isinstance(layer.mlp, KernelSwiGLUMLP) for layer in model.model.layers)
+    assert all(isinstance(layer.mlp, KernelGatedMLP) for layer in model.model.layers)
     assert model.model.layers[0].mlp.gate_proj.weight is mlp_weight  # the same arrays
     assert "model.layers.0.mlp.gate_proj.weight" in dict(nn.utils.tree_flatten(model.parameters()))
     got = model(ids)
     assert mx.allclose(got, ref, rtol=1e-5, atol=1e-5).item()
-    with pytest.raises(ValueError, match="SwiGLU"):
-        KernelSwiGLUMLP(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="SwiGLU / GeGLU"):
+        KernelGatedMLP(nn.Linear(2, 2))
 
 
-#: In a fresh process with MLX_INFER_KERNEL_ISA set: the bound of assert_close on a row with a partial last
-#: vector and gates up to |120|.
+#: In a fresh process with MLX_INFER_KERNEL_ISA set: the bounds of assert_close here and in
+#: test_cpu_geglu.py (SwiGLU's and GeGLU's gates) on a row with a partial last vector and gates up to |120|.
 VARIANT_CHECK = textwrap.dedent("""
     import sys
     import mlx_infer
@@ -106,10 +106,17 @@ VARIANT_CHECK = textwrap.dedent("""
     assert cpu.isa() == sys.argv[2], cpu.isa()
     g = np.linspace(-120, 120, 1539, dtype=np.float32)
     u = np.cos(np.arange(1539, dtype=np.float32))
+    g64 = g.astype(np.float64)
     y = np.array(cpu.cpu_swiglu(mx.array(g), mx.array(u))).astype(np.float64)
-    want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
+    want = g64 / (1 + np.exp(-g64)) * u
     excess = np.abs(y - want) - (8 * 2.0 ** -23 * np.abs(want) + 1e-30)
-    assert (excess <= 0).all(), excess.max()
+    assert (excess <= 0).all(), ("swiglu", excess.max())
+    y = np.array(cpu.cpu_geglu(mx.array(g), mx.array(u))).astype(np.float64)
+    a = 2.0 * np.sqrt(2.0 / np.pi) * (g64 + 0.044715 * g64 ** 3)
+    with np.errstate(over="ignore"):
+        want = g64 * u / (1.0 + np.exp(-a))
+    excess = np.abs(y - want) - (4 * 2.0 ** -23 * np.abs(want) * (1 + np.abs(a)) + 1e-30)
+    assert (excess <= 0).all(), ("geglu", excess.max())
 """)
 
 
