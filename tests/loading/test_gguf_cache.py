@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -36,24 +37,27 @@ def blocked(tmp_path, monkeypatch):
 
 
 def test_copies_share_one_conversion_and_an_edit_converts_again(tiny, tmp_path, monkeypatch):
-    """The same file in two directories (as pip installs a package's GGUF in each virtual environment,
-    keeping its modification time) is converted once; the same name with other bytes or another time
-    is not taken for it."""
+    """The same bytes in two directories with other modification times (as pip installs a package's GGUF
+    in each virtual environment, stamped with the install's time) are converted once; a file with other
+    bytes is converted again; a file seen before is not read through again."""
     monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path / "cache"))
     copies = []
-    for d in ("venv-a", "venv-b"):
+    for i, d in enumerate(("venv-a", "venv-b")):
         (tmp_path / d).mkdir()
-        copies.append(shutil.copy2(tiny, tmp_path / d / tiny.name))  # copy2 keeps the modification time
+        copies.append(Path(shutil.copy(tiny, tmp_path / d / tiny.name)))
+        st = os.stat(copies[-1])
+        os.utime(copies[-1], ns=(st.st_atime_ns, st.st_mtime_ns + i * 10 ** 9))
     first = gguf_mod.cached_conversion(copies[0])
-    monkeypatch.setattr(gguf_mod, "convert_weights", lambda *a, **k: pytest.fail("converted again"))
-    assert gguf_mod.cached_conversion(copies[1]) == first
-    monkeypatch.undo()
-    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path / "cache"))
-    st = os.stat(copies[1])
-    os.utime(copies[1], ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # touched: another file for the cache
-    touched = gguf_mod.cached_conversion(copies[1])
-    assert touched != first and (touched / "config.json").is_file()
-    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+    with monkeypatch.context() as m:
+        m.setattr(gguf_mod, "convert_weights", lambda *a, **k: pytest.fail("converted again"))
+        assert gguf_mod.cached_conversion(copies[1]) == first
+        m.setattr(gguf_mod, "open", lambda *a, **k: pytest.fail("the file was read through again"), raising=False)
+        assert gguf_mod.cached_conversion(copies[1]) == first  # its digest remembered
+    edited = copies[1].read_bytes()
+    copies[1].write_bytes(edited[:-1] + bytes([edited[-1] ^ 1]))  # one bit of the last tensor's data
+    again = gguf_mod.cached_conversion(copies[1])
+    assert again != first and (again / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()) == sorted([first.name, again.name])
 
 
 def test_converted_model_in_a_read_only_cache_loads(tiny, tmp_path, monkeypatch):
