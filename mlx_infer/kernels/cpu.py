@@ -95,10 +95,12 @@ def source_dir() -> Optional[Path]:
 
 
 def build_dir() -> Path:
-    """Where the extension is built and cached: cache_dir()/kernels/<mlx version>-<python tag>-<arch>; when
-    that folder cannot be written and holds no build of these sources, a temporary folder of this process
-    (removed at exit; the kernels are built again on every run), with one warning."""
-    tag = f"{mx.__version__}-{sys.implementation.cache_tag}-{platform.machine()}"
+    """Where the extension is built and cached: cache_dir()/kernels/<mlx version>-<python tag>-<arch>-<the
+    sources' fingerprint>, one folder per build (so checkouts or virtual environments of other versions
+    never rebuild over each other, nor swap the file another process is loading); when that folder cannot
+    be written and holds no build of these sources, a temporary folder of this process (removed at exit;
+    the kernels are built again on every run), with one warning."""
+    tag = f"{mx.__version__}-{sys.implementation.cache_tag}-{platform.machine()}-{_fingerprint()}"
     wanted = cache_dir() / "kernels" / tag
     if wanted in _scratch_dirs:
         return _scratch_dirs[wanted]
@@ -250,8 +252,8 @@ def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
                   flush=True)
         log_path = out / "build.log"
         work = out / "build"
-        # A fresh build tree: one configured from another checkout or venv (the cache is per MLX and
-        # Python version, not per install) makes CMake refuse the source directory.
+        # A fresh build tree: one configured from another checkout or venv of the same sources (the cache
+        # is per build, not per install) makes CMake refuse the source directory.
         shutil.rmtree(work, ignore_errors=True)
         try:
             with open(log_path, "w") as log:
@@ -267,9 +269,10 @@ def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
             raise MlxInferError(reason) from exc
         tmp = module_path().with_suffix(".tmp")
         shutil.copy2(built, tmp)
-        tmp.replace(module_path())  # a process that loaded the old file keeps its own copy
+        tmp.replace(module_path())  # (force=True: a process that loaded the old file keeps its own copy)
         (out / "failed.json").unlink(missing_ok=True)
         _write_json(out / "build.json", {"fingerprint": fingerprint, "mlx": mx.__version__})
+        shutil.rmtree(work, ignore_errors=True)  # the object files (5 MB); a rebuild starts afresh anyway
     return module_path()
 
 

@@ -123,3 +123,14 @@ def test_an_unwritable_cache_builds_in_a_temporary_folder(fresh_cpu, tmp_path):
     assert first.is_dir() and not str(first).startswith(str(blocker))
     assert cpu.build_dir() == first  # the same folder for the rest of the process, no second warning
     assert cpu.module_path().parent == first
+
+
+def test_each_build_has_its_own_folder(cpu_kernels, fresh_cpu):
+    """Builds of other sources (another checkout or version) live in folders of their own beside this one,
+    so they never rebuild over each other; a finished build keeps its module, not its object files."""
+    here = cpu.build_dir()
+    assert here.name.endswith(cpu.build_id()) and cpu.module_path().is_file()
+    assert not (here / "build").exists()
+    fresh_cpu.setattr(cpu, "_fingerprint", lambda: "0" * 16)
+    other = cpu.build_dir()
+    assert other != here and other.parent == here.parent and other.name.endswith("0" * 16)
