@@ -133,7 +133,8 @@ def collect() -> dict:
         "attention_kernel": attention_backend(),
         "rmm_kernel": rmm_backend(),
         "paged_kv_kernels": {"attention": paged_attention_backend(), "repack": move_rows_backend()},
-        "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend()},
+        "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend(),
+                          "geglu": swiglu_backend()},
         "kernel_threads": cpu_kernels.num_threads() if cpu_kernels_run else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "int8_activation_bits": list(cpu_kernels.int8_bits()) if cpu_kernels_run else [],
@@ -180,9 +181,9 @@ def render(info: dict) -> Table:
         table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}; quantized-KV attention: "
                                  f"{info['attention_kernel']}; reduced matmul (--rmm): {info['rmm_kernel']}; paged KV "
                                  f"attention / repacking: {info['paged_kv_kernels']['attention']} / "
-                                 f"{info['paged_kv_kernels']['repack']}; RMSNorm / RoPE / SwiGLU: "
+                                 f"{info['paged_kv_kernels']['repack']}; RMSNorm / RoPE / SwiGLU / GeGLU: "
                                  f"{info['layer_kernels']['rms_norm']} / {info['layer_kernels']['rope']} / "
-                                 f"{info['layer_kernels']['swiglu']}")
+                                 f"{info['layer_kernels']['swiglu']} / {info['layer_kernels']['geglu']}")
     if info["int8_activation_bits"]:
         bits = " and ".join(f"{b}-bit" for b in info["int8_activation_bits"])
         table.add_row("int8 activations", f"on for {bits} weights ({ISA_ENV}): x rounded to int8 per 32 values, "
