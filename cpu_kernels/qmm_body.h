@@ -465,11 +465,6 @@ void dequant(const QmmArgs& a, int n0, int n1, float* out) {
   }
 }
 
-// GELU's tanh approximation as a sigmoid: 0.5 * (1 + tanh(t)) = sigmoid(2t), t = c * (g + 0.044715 g^3),
-// c = sqrt(2 / pi), so gelu_approx(g) = g * sigmoid(g * (2c + 2c * 0.044715 * g^2)).
-constexpr float kGeluA = 1.5957691216057308f;   // 2 * sqrt(2 / pi)
-constexpr float kGeluB = 0.0713548162726009f;   // 2 * sqrt(2 / pi) * 0.044715
-
 // y[i] = g[i] * sigmoid(a[i]) * u[i] for i < n, sigmoid(a) = 1 / (1 + e^-a), with a = g (SwiGLU's gate,
 // silu(g) * u) or, GELU, a = g * (kGeluA + kGeluB * g^2) (GeGLU's gate with GELU's tanh approximation,
 // gelu_approx(g) * u).

@@ -7,6 +7,11 @@
 
 namespace mlx_infer_kernels {
 
+// GELU's tanh approximation as a sigmoid: 0.5 * (1 + tanh(t)) = sigmoid(2t), t = c * (g + 0.044715 g^3),
+// c = sqrt(2 / pi), so gelu_approx(g) = g * sigmoid(g * (kGeluA + kGeluB * g^2)) (GeGLU's gate, swiglu.h).
+constexpr float kGeluA = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+constexpr float kGeluB = 0.0713548162726009f;  // 2 * sqrt(2 / pi) * 0.044715
+
 // Element type of scales / biases and of y.
 enum class Dtype : int { f32 = 0, f16 = 1, bf16 = 2 };
 

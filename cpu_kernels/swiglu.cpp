@@ -14,10 +14,6 @@ namespace {
 // Values per chunk of the pool's parallel_for; fewer than two chunks run on the calling thread.
 constexpr int64_t kSwigluChunk = 16384;
 
-// GELU's tanh approximation as a sigmoid's argument: a = g * (kA + kB * g^2) (qmm_body.h's kGeluA, kGeluB).
-constexpr float kA = 1.5957691216057308f;
-constexpr float kB = 0.0713548162726009f;
-
 mx::array gated(const mx::array& gate, const mx::array& up, Gate kind, const char* op, mx::StreamOrDevice s) {
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[") + op + "] gate and up must be float32");
@@ -83,8 +79,8 @@ std::vector<mx::array> SwiGlu::vjp(const std::vector<mx::array>& primals, const 
   const mx::array one = mx::array(1.0f);
   const mx::array g2 = mx::multiply(gate, gate, s);
   // the sigmoid's argument a and its derivative da / dgate
-  const mx::array a = gate_ == Gate::silu ? gate : mx::multiply(gate, mx::add(mx::array(kA), mx::multiply(mx::array(kB), g2, s), s), s);
-  const mx::array da = gate_ == Gate::silu ? one : mx::add(mx::array(kA), mx::multiply(mx::array(3.0f * kB), g2, s), s);
+  const mx::array a = gate_ == Gate::silu ? gate : mx::multiply(gate, mx::add(mx::array(kGeluA), mx::multiply(mx::array(kGeluB), g2, s), s), s);
+  const mx::array da = gate_ == Gate::silu ? one : mx::add(mx::array(kGeluA), mx::multiply(mx::array(3.0f * kGeluB), g2, s), s);
   const mx::array sig = mx::sigmoid(a, s);
   std::vector<mx::array> grads;
   for (int arg : argnums) {
