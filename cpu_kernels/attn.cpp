@@ -193,7 +193,7 @@ void QuantAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   a.scale = scale_;
   encoder.dispatch([a, y = out.data<float>(), lse_out = lse.data<float>()]() {
     flash_decode(
-        a.H, a.R, a.Dv, a.S, size_t(kAttnTile) * (a.D + a.Dv + a.R), [&](int) { return a.S; },
+        a.H, a.R, a.Dv, a.S, attn_scratch_floats(a.D, a.Dv, a.R), [&](int) { return a.S; },
         [&](int h, int s0, int s1, AttnPartial p, float* scratch) { kernel().attend(a, h, s0, s1, p, scratch); },
         [&](int h, int r, const float* o, float lse) {
           std::copy(o, o + a.Dv, y + (int64_t(h) * a.R + r) * a.Dv);
@@ -407,7 +407,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     a.q_pos = static_cast<const int32_t*>(data(at + 2));
     a.k_pos = static_cast<const int32_t*>(data(at + 3));
     flash_decode(
-        B * a.n_kv, a.R, a.Dv, a.S, size_t(kAttnTile) * (a.D + a.Dv + a.R) + std::max(a.D, a.Dv),
+        B * a.n_kv, a.R, a.Dv, a.S, attn_scratch_floats(a.D, a.Dv, a.R),
         [&](int bh) { return std::clamp(lengths[bh / a.n_kv], 0, a.S); },
         [&](int bh, int s0, int s1, AttnPartial p, float* scratch) { kernel().paged_attend(a, bh, s0, s1, p, scratch); },
         [&](int bh, int r, const float* o, float) { store_row(o, a.Dv, out_dtype, y + (int64_t(bh) * a.R + r) * row_bytes); });

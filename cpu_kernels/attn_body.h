@@ -84,52 +84,91 @@ inline float masked(float mask, float s) {
   return mask == -std::numeric_limits<float>::infinity() ? mask : s;
 }
 
-// out[j] = scale * (q . rows[j]) for j < n where out[j] (the mask) is 0, -inf where it is -inf; q and the rows
-// [D] floats: four rows at a time, each with its own accumulator (four independent FMA chains, and q loaded
-// once for them).
+// out[j] = scale * (q . rows[j]) for j < n where bias[j] is 0, -inf where it is -inf; q and the rows [D]
+// floats, `rows` holding n rounded up to S::L pointers (those past n at a row of zeros). Keys go S::L at a
+// time, one accumulator each (q loaded once per vector for all of them), and the S::L sums are taken
+// together (S::hsum_each) instead of one horizontal sum per key; a key's score does not depend on the
+// other keys of its group.
 template <class S>
-inline void score_rows(const float* q, const float* const* rows, int n, int D, float scale, float* out) {
+inline void score_tile(const float* q, const float* const* rows, int n, int D, float scale, const float* bias,
+                       float* out) {
   using V = typename S::V;
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    V a0 = S::zero(), a1 = S::zero(), a2 = S::zero(), a3 = S::zero();
-    for (int i = 0; i < D; i += S::L) {
-      const V x = S::load(q + i);
-      a0 = S::fma(x, S::load(rows[j] + i), a0);
-      a1 = S::fma(x, S::load(rows[j + 1] + i), a1);
-      a2 = S::fma(x, S::load(rows[j + 2] + i), a2);
-      a3 = S::fma(x, S::load(rows[j + 3] + i), a3);
+  constexpr int L = S::L;
+  alignas(64) float sums[L];
+  for (int j0 = 0; j0 < n; j0 += L) {
+    const float* const* r = rows + j0;
+    V acc[L];
+    MLX_INFER_UNROLL
+    for (int k = 0; k < L; ++k) acc[k] = S::zero();
+    for (int d = 0; d < D; d += L) {
+      const V x = S::load(q + d);
+      MLX_INFER_UNROLL
+      for (int k = 0; k < L; ++k) acc[k] = S::fma(x, S::load(r[k] + d), acc[k]);
     }
-    out[j] = masked(out[j], scale * S::hsum(a0));
-    out[j + 1] = masked(out[j + 1], scale * S::hsum(a1));
-    out[j + 2] = masked(out[j + 2], scale * S::hsum(a2));
-    out[j + 3] = masked(out[j + 3], scale * S::hsum(a3));
-  }
-  for (; j < n; ++j) {
-    V a = S::zero();
-    for (int i = 0; i < D; i += S::L) a = S::fma(S::load(q + i), S::load(rows[j] + i), a);
-    out[j] = masked(out[j], scale * S::hsum(a));
+    S::store(sums, S::hsum_each(acc));
+    const int m = std::min(L, n - j0);
+    for (int k = 0; k < m; ++k) out[j0 + k] = masked(bias[j0 + k], scale * sums[k]);
   }
 }
 
-// acc[0:Dv] = alpha * acc + sum_j p[j] * rows[j][0:Dv] over j < n: four accumulators, key j always in
-// accumulator j % 4 (four independent FMA chains; and a key's place in the sums does not depend on n, so a
-// tile holding keys a row does not see, p = 0, gives that row the same sums as the tile without them).
-template <class S>
-inline void fold_rows(float* acc, float alpha, const float* p, const float* const* rows, int n, int Dv) {
+// For each of RB rows b: acc[b][d0:Dv] = alpha[b] * acc[b] + sum_j p[b][j] * rows[j][d0:Dv] over j < n, the keys
+// added in order into one accumulator per row and vector of Dv. CB vectors of Dv at a time: each key's CB
+// V vectors are loaded once for the RB rows and each probability is broadcast once for the CB vectors (RB x
+// CB independent FMA chains). A row's sums do not depend on RB, on the rows folded with it or on n (a key
+// the row does not see, p = 0, adds exact zeros).
+template <class S, int RB, int CB>
+inline void fold_rows(float* const* acc, const float* alpha, const float* const* p, const float* const* rows, int n,
+                      int d0, int Dv) {
   using V = typename S::V;
-  const V one = S::set1(1.0f);
-  for (int d = 0; d < Dv; d += S::L) {
-    V o[4] = {S::fma(S::load(acc + d), S::set1(alpha), S::zero()), S::zero(), S::zero(), S::zero()};
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-      o[0] = S::fma(S::set1(p[j]), S::load(rows[j] + d), o[0]);
-      o[1] = S::fma(S::set1(p[j + 1]), S::load(rows[j + 1] + d), o[1]);
-      o[2] = S::fma(S::set1(p[j + 2]), S::load(rows[j + 2] + d), o[2]);
-      o[3] = S::fma(S::set1(p[j + 3]), S::load(rows[j + 3] + d), o[3]);
+  constexpr int L = S::L;
+  int d = d0;
+  for (; d + CB * L <= Dv; d += CB * L) {
+    V o[RB][CB];
+    MLX_INFER_UNROLL
+    for (int b = 0; b < RB; ++b) {
+      const V a = S::set1(alpha[b]);
+      MLX_INFER_UNROLL
+      for (int c = 0; c < CB; ++c) o[b][c] = S::mul(S::load(acc[b] + d + c * L), a);
     }
-    for (; j < n; ++j) o[j & 3] = S::fma(S::set1(p[j]), S::load(rows[j] + d), o[j & 3]);
-    S::store(acc + d, S::fma(S::fma(o[3], one, o[2]), one, S::fma(o[1], one, o[0])));
+    for (int j = 0; j < n; ++j) {
+      V v[CB];
+      MLX_INFER_UNROLL
+      for (int c = 0; c < CB; ++c) v[c] = S::load(rows[j] + d + c * L);
+      MLX_INFER_UNROLL
+      for (int b = 0; b < RB; ++b) {
+        const V pb = S::set1(p[b][j]);
+        MLX_INFER_UNROLL
+        for (int c = 0; c < CB; ++c) o[b][c] = S::fma(pb, v[c], o[b][c]);
+      }
+    }
+    MLX_INFER_UNROLL
+    for (int b = 0; b < RB; ++b) {
+      MLX_INFER_UNROLL
+      for (int c = 0; c < CB; ++c) S::store(acc[b] + d + c * L, o[b][c]);
+    }
+  }
+  if constexpr (CB > 1) {
+    if (d < Dv) fold_rows<S, RB, 1>(acc, alpha, p, rows, n, d, Dv);  // the vectors left over
+  }
+}
+
+// Rows and vectors of Dv folded together by fold_rows: what the vector registers hold (RB x CB accumulators
+// besides CB V vectors and a broadcast).
+template <class S>
+constexpr int kFoldRows = S::L >= 16 ? 4 : 2;
+template <class S>
+constexpr int kFoldVectors = S::L >= 16 ? 4 : 2;
+
+// fold_rows of the last b < RB rows gathered (b rows folded together: one pass over the tile's V rows).
+template <class S, int B>
+inline void fold_rest(int b, float* const* acc, const float* alpha, const float* const* p, const float* const* rows,
+                      int n, int Dv) {
+  if constexpr (B > 0) {
+    if (b == B) {
+      fold_rows<S, B, kFoldVectors<S>>(acc, alpha, p, rows, n, 0, Dv);
+    } else {
+      fold_rest<S, B - 1>(b, acc, alpha, p, rows, n, Dv);
+    }
   }
 }
 
@@ -166,6 +205,8 @@ struct QuantRows {
     dequant_tile<S>(vrows, a.v_bits, t0, n, tile);
     tile_rows(tile, a.Dv, n, rows);
   }
+  // Rows r and r + period() see the same keys (the same query position).
+  int period() const { return a.P; }
   // bias[j] = 0 when row r sees key t0 + j, else -inf (j < n); returns whether it sees any.
   bool mask(int r, int t0, int n, float* bias) const {
     const int last = a.S - a.P + r % a.P;
@@ -213,6 +254,8 @@ struct PagedRows {
     index_rows(index + t0, n, a.rows, a.Dv, zeros, tile, rows,
                [&](int64_t row, float* out) { return float_row<S>(a.v, a.kv_dtype, a.Dv, row, out); });
   }
+  // Rows r and r + period() see the same keys (the same query position).
+  int period() const { return a.L; }
   // bias[j] = 0 when row r sees key t0 + j, else -inf (j < n); returns whether it sees any.
   bool mask(int r, int t0, int n, float* bias) const {
     const int64_t q = qpos[r % a.L];
@@ -314,18 +357,34 @@ void softmax_rows(const SoftmaxArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
+// attend_rows' scratch: the K and V tiles (a source that converts or dequantizes rows writes them there),
+// the rows' scores (then probabilities) and the masks of the distinct query positions, and a row of zeros.
+struct AttnScratch {
+  float* kt;     // [T, D]
+  float* vt;     // [T, Dv]
+  float* sc;     // [R, T]
+  float* bias;   // [min(period, R), T]
+  float* zeros;  // [max(D, Dv)]
+
+  AttnScratch(float* scratch, int D, int Dv, int R)
+      : kt(scratch), vt(kt + int64_t(kAttnTile) * D), sc(vt + int64_t(kAttnTile) * Dv),
+        bias(sc + int64_t(kAttnTile) * R), zeros(bias + int64_t(kAttnTile) * R) {
+    std::fill(zeros, zeros + std::max(D, Dv), 0.0f);
+  }
+};
+
 // The online softmax of R query rows q [R, D] over keys [s0, s1) of one source (QuantRows / PagedRows),
-// tile by tile: the K rows of a tile are read once for all rows, each row scores them, then the V rows
-// are folded into each row's running max m, sum l and unnormalized acc. scratch: kAttnTile * (D + Dv + R)
-// floats.
+// tile by tile: the mask of each distinct query position is computed once, the K rows of a tile are read
+// once for all rows and every row scores them (score_tile), then the V rows are folded into each row's
+// running max m, sum l and unnormalized acc. Every row's arithmetic is its own, in a fixed order: its
+// result does not depend on R, on the other rows or on where the tile ends.
 template <class S, class Rows>
 void attend_rows(const Rows& src, const float* q, int R, int D, int Dv, float scale, int s0, int s1,
-                 AttnPartial out, float* scratch) {
+                 AttnPartial out, const AttnScratch& w) {
   constexpr int T = kAttnTile;
+  static_assert(T % S::L == 0, "a tile holds whole groups of keys");
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float* kt = scratch;                // [T, D]
-  float* vt = kt + int64_t(T) * D;    // [T, Dv]
-  float* sc = vt + int64_t(T) * Dv;   // [R, T] scores, then probabilities
+  const int positions = std::min(src.period(), R);
   const float* krow[T];
   const float* vrow[T];
   for (int r = 0; r < R; ++r) {
@@ -336,41 +395,55 @@ void attend_rows(const Rows& src, const float* q, int R, int D, int Dv, float sc
   for (int t0 = s0; t0 < s1; t0 += T) {
     const int n = std::min(T, s1 - t0);
     bool any = false;
-    for (int r = 0; r < R; ++r) any |= src.mask(r, t0, n, sc + r * T);
+    for (int p = 0; p < positions; ++p) any |= src.mask(p, t0, n, w.bias + p * T);
     if (!any) continue;  // no row sees a key of this tile: neither K nor V is read
-    src.keys(t0, n, kt, krow);
-    for (int r = 0; r < R; ++r) score_rows<S>(q + int64_t(r) * D, krow, n, D, scale, sc + r * T);
-    src.values(t0, n, vt, vrow);
+    src.keys(t0, n, w.kt, krow);
+    const int padded = (n + S::L - 1) / S::L * S::L;
+    for (int j = n; j < padded; ++j) krow[j] = w.zeros;
     for (int r = 0; r < R; ++r) {
-      float* p = sc + r * T;
-      float tile_max = neg_inf;
-      for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, p[j]);
+      score_tile<S>(q + int64_t(r) * D, krow, n, D, scale, w.bias + (r % src.period()) * T, w.sc + r * T);
+    }
+    src.values(t0, n, w.vt, vrow);
+    constexpr int RB = kFoldRows<S>;
+    float* acc[RB];
+    float alpha[RB];
+    const float* prob[RB];
+    int b = 0;  // rows gathered for the next fold
+    for (int r = 0; r < R; ++r) {
+      float* p = w.sc + r * T;
+      const float tile_max = row_max<S>(p, n);
       if (tile_max == neg_inf) continue;  // this row sees no key of the tile
       const float m_new = std::max(out.m[r], tile_max);
-      const float alpha = std::exp(out.m[r] - m_new);  // 0 for the first tile (m = -inf)
+      alpha[b] = std::exp(out.m[r] - m_new);  // 0 for the first tile (m = -inf)
       const float sum = exp_shifted<S>(p, p, n, 1.0f, m_new);
-      out.l[r] = out.l[r] * alpha + sum;
+      out.l[r] = out.l[r] * alpha[b] + sum;
       out.m[r] = m_new;
-      fold_rows<S>(out.acc + int64_t(r) * Dv, alpha, p, vrow, n, Dv);
+      acc[b] = out.acc + int64_t(r) * Dv;
+      prob[b] = p;
+      if (++b == RB) {
+        fold_rows<S, RB, kFoldVectors<S>>(acc, alpha, prob, vrow, n, 0, Dv);
+        b = 0;
+      }
     }
+    fold_rest<S, RB - 1>(b, acc, alpha, prob, vrow, n, Dv);
   }
 }
 
 template <class S>
 void attend(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch) {
-  attend_rows<S>(QuantRows<S>(a, h), a.q + int64_t(h) * a.R * a.D, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
+  attend_rows<S>(QuantRows<S>(a, h), a.q + int64_t(h) * a.R * a.D, a.R, a.D, a.Dv, a.scale, s0, s1, out,
+                 AttnScratch(scratch, a.D, a.Dv, a.R));
 }
 
 template <class S>
 void paged_attend(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial out, float* scratch) {
   const int b = bh / a.n_kv;
-  float* zeros = scratch + int64_t(kAttnTile) * (a.D + a.Dv + a.R);  // [max(D, Dv)]
-  std::fill(zeros, zeros + std::max(a.D, a.Dv), 0.0f);
+  const AttnScratch w(scratch, a.D, a.Dv, a.R);
   const PagedRows<S> src{a, a.index + int64_t(bh) * a.S, a.k_pos + int64_t(b) * a.S, a.q_pos + int64_t(b) * a.L,
-                         zeros};
+                         w.zeros};
   const float* q = a.q + int64_t(bh) * a.R * a.D;
   if (a.k_bits == 0) {
-    attend_rows<S>(src, q, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
+    attend_rows<S>(src, q, a.R, a.D, a.Dv, a.scale, s0, s1, out, w);
     return;
   }
   // the whole pool layer as the rows of one head (head_rows of head 0 over `rows` token rows)
@@ -380,7 +453,7 @@ void paged_attend(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial ou
                 a.group_size, a.k_bits),
       head_rows(static_cast<const uint32_t*>(a.v), a.v_scales, a.v_biases, a.sb_dtype, 0, int(a.rows), a.Dv,
                 a.group_size, a.v_bits)};
-  attend_rows<S>(packed, q, a.R, a.D, a.Dv, a.scale, s0, s1, out, scratch);
+  attend_rows<S>(packed, q, a.R, a.D, a.Dv, a.scale, s0, s1, out, w);
 }
 
 }  // namespace

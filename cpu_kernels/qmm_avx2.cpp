@@ -36,6 +36,19 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
   }
+  // Lane i = the sum of v[i]'s lanes, for 8 vectors: pairs of lanes, then 4-lane blocks, then the two
+  // 128-bit halves are added (21 operations instead of 8 horizontal sums).
+  static V hsum_each(const V* v) {
+    V a[4], b[2];
+    for (int i = 0; i < 4; ++i) {
+      a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    for (int i = 0; i < 2; ++i) {
+      b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+  }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static float hmax(V v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

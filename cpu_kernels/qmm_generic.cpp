@@ -106,6 +106,12 @@ struct Generic {
     for (int i = 0; i < L; ++i) s += a.v[i];
     return s;
   }
+  // Lane i = the sum of v[i]'s lanes (hsum), for L vectors.
+  static V hsum_each(const V* v) {
+    V r;
+    for (int i = 0; i < L; ++i) r.v[i] = hsum(v[i]);
+    return r;
+  }
   static V max(V a, V b) {
     for (int i = 0; i < L; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
     return a;

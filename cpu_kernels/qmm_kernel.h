@@ -3,6 +3,7 @@
 // (an inline function compiled for AVX-512 and picked by the linker would crash an AVX2-only CPU).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace mlx_infer_kernels {
@@ -123,6 +124,12 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 // Keys per tile of the attention loop (dequantized K and V tiles stay in L1).
 constexpr int kAttnTile = 32;
 
+// Floats of per-thread scratch the attention kernels take for R query rows of head dims D / Dv: the K
+// and V tiles, the rows' scores, the masks of up to R query positions and a row of zeros (AttnScratch).
+inline size_t attn_scratch_floats(int D, int Dv, int R) {
+  return size_t(kAttnTile) * size_t(D + Dv + 2 * R) + size_t(D > Dv ? D : Dv);
+}
+
 // The int8-activation product of a variant (qmm_q8_body.h), used for every product of the bit widths it
 // takes: y = x @ dequantize(w).T with x rounded to int8 in chunks of 32 (one scale per chunk).
 struct QmmQ8Kernel {
@@ -143,10 +150,10 @@ struct QmmKernel {
   // Dequantizes w rows [n0, n1) to float32 out [n1 - n0, K] in natural order (the wide path).
   void (*dequant)(const QmmArgs& a, int n0, int n1, float* out);
   // The partial of head h over keys [s0, s1) (query row r sees keys s <= S - P + r % P). scratch:
-  // kAttnTile * (D + Dv + R) floats, private to the calling thread.
+  // attn_scratch_floats(D, Dv, R) floats, private to the calling thread.
   void (*attend)(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch);
   // The partial of (request, KV head) bh = b * n_kv + h over its live keys [s0, s1). scratch:
-  // kAttnTile * (D + Dv + R) + max(D, Dv) floats, private to the calling thread.
+  // attn_scratch_floats(D, Dv, R) floats, private to the calling thread.
   void (*paged_attend)(const PagedAttnArgs& a, int bh, int s0, int s1, AttnPartial out, float* scratch);
   // The causal softmax of rows [r0, r1) (see SoftmaxArgs).
   void (*softmax_rows)(const SoftmaxArgs& a, int64_t r0, int64_t r1);
