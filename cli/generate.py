@@ -93,6 +93,9 @@ def generate(
         else:
             final = stream_to_stdout(engine.stream_steps(prompt_ids, params, **kwargs))
         bar.close()
+        if final.generated_tokens == 0:  # nothing on stdout: say why rather than print an empty line
+            warnings.warn("the answer is empty: the model ended it at its first token; try rephrasing the prompt"
+                          + ("" if no_chat_template else ", or --no-chat-template for a base model"))
         held = final.prompt_tokens + final.generated_tokens  # what the context window holds at the end
         if final.generated_tokens < params.max_tokens and held >= engine.context_length:
             warnings.warn(f"stopped at the model's context window ({engine.context_length} tokens: "

@@ -80,3 +80,28 @@ def test_stopping_at_the_context_window_is_said(run_cli, tmp_path):
             "before -n 100") in proc.stderr
     short = run_cli("generate", "a b c", "-m", model, "--no-chat-template", "-n", "3", "--spec", "off")
     assert short.returncode == 0 and "context window" not in short.stderr
+
+
+def test_an_empty_answer_is_said(run_cli, tmp_path):
+    """A tiny model whose first token is always EOS (the blocks add nothing, every embedding's first entry is
+    1, the final norm keeps only that entry and only EOS's output row reads it): nothing on stdout, and
+    stderr says the answer is empty and why, instead of printing a bare newline."""
+    spec = TinySpec("llama")
+    weights = random_weights(spec, seed=0)
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name][:] = 0.0
+    weights["model.embed_tokens.weight"][:, 0] = 1.0
+    weights["model.norm.weight"][:] = 0.0
+    weights["model.norm.weight"][0] = 1.0
+    weights["lm_head.weight"][:] = 0.0
+    weights["lm_head.weight"][spec.tokenizer.eos_id, 0] = 10.0
+    model = write_gguf(tmp_path / "eos.gguf", spec, weights)
+    proc = run_cli("generate", "a b c", "-m", model, "--no-chat-template", "-n", "8", "--spec", "off")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "warning: the answer is empty: the model ended it at its first token; try rephrasing the prompt" in proc.stderr
+    assert "--no-chat-template for a base model" not in proc.stderr  # it is already on
+    answered = run_cli("generate", "a b c", "-m", write_gguf(tmp_path / "r.gguf", spec, random_weights(spec, seed=0)),
+                       "--no-chat-template", "-n", "4", "--spec", "off")
+    assert answered.returncode == 0 and "answer is empty" not in answered.stderr
