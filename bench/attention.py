@@ -4,14 +4,16 @@ code at another git commit: one process per side, the sides alternated for --rou
 Each process measures (medians of --calls evaluations after a warm-up):
   kernel   dense_attention (the paged-attention kernel over an mlx-lm KVCache buffer) with the default
            model's head shapes (9 query heads, 3 KV heads, head_dim 64), random float32 K / V, for every
-           context of --contexts and query width 1 (decode) and 9 (a verify of 8 drafted tokens):
-           "hot" = 2 layers' K / V evaluated over and over (they stay in the caches: the kernel's
-           arithmetic), "streamed" = 30 layers' (the default model's; at these contexts they do not fit
-           the caches: what a decode step reads), microseconds per layer
+           context of --contexts and query width 1 (decode) and 9 (a verify of 8 drafted tokens), 30 calls
+           per evaluation (the default model's layers): "hot" = over 2 layers' K / V in turn (they stay in
+           the caches: the kernel's arithmetic), "streamed" = over 30 layers' (at these contexts they do not
+           fit the caches: what a decode step reads), microseconds per call
   model    the default model's forward of 1 and of 9 tokens over a cache holding the first `context`
            tokens of wikitext-2 (prefilled in chunks of 512, trimmed back after every call), ms
 --against REF runs the same measurement on commit REF (a `git worktree` of it in a temporary folder, its
-CPU kernels built there in their own cache, $MLX_INFER_CACHE) in the other process of each round.
+CPU kernels built there in their own cache, $MLX_INFER_CACHE) in the other process of each round. Each side
+imports mlx_infer from its own tree ($PYTHONPATH), whatever is installed. Needs wikitext-2's test split at
+../shared/data/wikitext-2/test.txt beside the repository (the model part's context).
 
 Usage: python bench/attention.py [--against REF] [--rounds 3] [--contexts 1000,3000] [--calls 15]
 Prints a table (and REF / this tree per cell) and writes bench/results/attention-*.json.
@@ -66,8 +68,9 @@ def kernel_cells(contexts, calls: int) -> dict:
             mx.eval(kv)
             for width in WIDTHS:
                 q = mx.random.normal((1, HEADS, width, HEAD_DIM))
-                ms = median_ms(lambda: [dense_attention(q, k, v, ctx, HEAD_DIM ** -0.5) for k, v in kv], calls)
-                out[f"kernel {name} ctx={ctx} w={width} (us/layer)"] = ms * 1e3 / layers
+                ms = median_ms(lambda: [dense_attention(q, *kv[i % layers], ctx, HEAD_DIM ** -0.5)
+                                        for i in range(LAYERS)], calls)
+                out[f"kernel {name} ctx={ctx} w={width} (us/call)"] = ms * 1e3 / LAYERS
             del kv
     return out
 
@@ -104,7 +107,9 @@ def run_side(env: dict, args) -> dict:
     """One child process of this script with `env`; its measurement."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--contexts", args.contexts,
            "--calls", str(args.calls)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench/attention.py: a measuring process failed ({env.get('PYTHONPATH')}):\n{done.stderr.strip()}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -117,16 +122,18 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
+    if not WIKITEXT.is_file():
+        sys.exit(f"bench/attention.py: wikitext-2 not found at {WIKITEXT} (the model part's context)")
     if args.child:
         print(json.dumps(measure(contexts, args.calls)))
         return
-    sides = {"this tree": dict(os.environ)}
+    sides = {"this tree": dict(os.environ, PYTHONPATH=str(REPO))}
     tmp = tempfile.TemporaryDirectory(prefix="mlx-infer-attn-")
     if args.against:
         tree = Path(tmp.name) / "tree"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), args.against],
                        check=True, capture_output=True)
-        (Path(tmp.name) / "shared").symlink_to(REPO.parent / "shared")  # the data beside the tree, as here
+        (Path(tmp.name) / "shared").symlink_to(REPO.parent / "shared")  # for REF's code that reads ../shared
         sides = {args.against: dict(os.environ, PYTHONPATH=str(tree), MLX_INFER_CACHE=str(Path(tmp.name) / "cache")),
                  **sides}
     try:

@@ -18,7 +18,7 @@ from mlx_infer.kv.defaults import BLOCK_SIZE
 from mlx_infer.kv.options import check_block_size, parse_evict
 
 from .errors import fail, report, user_errors
-from .generate import stream_to_stdout
+from .generate import collect_text, stream_to_stdout
 from .options import (
     BlockSizeOpt, ChatKVCacheOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
@@ -69,7 +69,7 @@ class ChatSession:
         steps = self.engine.stream_steps(self.history, self.params, system=self.system, progress=bar,
                                          **self.speculative)
         try:
-            stats = stream_to_stdout(_collect(steps, reply))
+            stats = stream_to_stdout(collect_text(steps, reply))
         except MlxInferError as e:  # e.g. the history outgrew the context window
             self.history.pop()
             report(e, self.verbose)
@@ -151,16 +151,6 @@ def asks_paged(kv_budget: Optional[str], evict: Optional[str], block_size: str) 
         return kv_budget is not None or parse_evict(evict) is not None or check_block_size(block_size) != BLOCK_SIZE
     except MlxInferError:
         return True
-
-
-def _collect(steps, into: List[str]):
-    """Pass steps through, keeping their text in `into`; closes the generator when stopped."""
-    try:
-        for step in steps:
-            into.append(step.text)
-            yield step
-    finally:
-        steps.close()
 
 
 def chat(

@@ -3,7 +3,7 @@
 import json
 import sys
 import warnings
-from typing import Annotated
+from typing import Annotated, List
 
 import typer
 
@@ -90,12 +90,14 @@ def generate(
             sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
             sys.stdout.flush()
             final = result.stats
+            answer = result.text
         else:
-            final = stream_to_stdout(engine.stream_steps(prompt_ids, params, **kwargs))
+            pieces: List[str] = []
+            final = stream_to_stdout(collect_text(engine.stream_steps(prompt_ids, params, **kwargs), pieces))
+            answer = "".join(pieces)
         bar.close()
-        if final.generated_tokens == 0:  # nothing on stdout: say why rather than print an empty line
-            warnings.warn("the answer is empty: the model ended it at its first token; try rephrasing the prompt"
-                          + ("" if no_chat_template else ", or --no-chat-template for a base model"))
+        if not answer:  # an empty answer (nothing streamed, "text": "" in the JSON): say why
+            warn_empty(final, no_chat_template)
         held = final.prompt_tokens + final.generated_tokens  # what the context window holds at the end
         if final.generated_tokens < params.max_tokens and held >= engine.context_length:
             warnings.warn(f"stopped at the model's context window ({engine.context_length} tokens: "
@@ -103,6 +105,26 @@ def generate(
                           f"{params.max_tokens}; shorten the prompt for a longer answer")
         if stats or verbose:
             print_stats(final)
+
+
+def warn_empty(stats, no_chat_template: bool) -> None:
+    """Say on stderr why an answer has no text: the model ended it at its first token, or a stop string
+    matched at its start."""
+    if stats.generated_tokens == 0:
+        warnings.warn("the answer is empty: the model ended it at its first token; try rephrasing the prompt"
+                      + ("" if no_chat_template else ", or --no-chat-template for a base model"))
+    else:
+        warnings.warn("the answer is empty: a --stop string matched at its start")
+
+
+def collect_text(steps, into: List[str]):
+    """Pass steps through, keeping their text in `into`; closes the generator when stopped."""
+    try:
+        for step in steps:
+            into.append(step.text)
+            yield step
+    finally:
+        steps.close()
 
 
 def stream_to_stdout(steps):

@@ -105,3 +105,15 @@ def test_an_empty_answer_is_said(run_cli, tmp_path):
     answered = run_cli("generate", "a b c", "-m", write_gguf(tmp_path / "r.gguf", spec, random_weights(spec, seed=0)),
                        "--no-chat-template", "-n", "4", "--spec", "off")
     assert answered.returncode == 0 and "answer is empty" not in answered.stderr
+
+
+def test_a_stop_string_at_the_start_is_said(run_cli):
+    """The greedy answer starts with "The capital of France is" (test_prompt_from_stdin_and_stop_string): a
+    stop string "The" cuts all of it; stderr says so, stdout and the JSON text are empty."""
+    proc = run_cli("generate", QUESTION, "-n", "8", "--stop", "The")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "warning: the answer is empty: a --stop string matched at its start" in proc.stderr
+    as_json = run_cli("generate", QUESTION, "-n", "8", "--stop", "The", "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["text"] == ""
+    assert "a --stop string matched at its start" in as_json.stderr
