@@ -93,7 +93,14 @@ def generate(
             answer = result.text
         else:
             pieces: List[str] = []
-            final = stream_to_stdout(collect_text(engine.stream_steps(prompt_ids, params, **kwargs), pieces))
+            try:
+                final = stream_to_stdout(collect_text(engine.stream_steps(prompt_ids, params, **kwargs), pieces))
+            except KeyboardInterrupt:  # end the answer's line: "interrupted" (stderr) then starts its own
+                partial = "".join(pieces)
+                if partial and not partial.endswith("\n"):
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                raise
             answer = "".join(pieces)
         bar.close()
         if not answer:  # an empty answer (nothing streamed, "text": "" in the JSON): say why

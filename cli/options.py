@@ -6,7 +6,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from mlx_infer.defaults import MAX_TOKENS
+from mlx_infer.defaults import MAX_TOKENS, MAX_VERIFY_WIDTH
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kv.defaults import BLOCK_SIZE
@@ -79,7 +79,7 @@ DraftModelOpt = Annotated[Optional[str], typer.Option(
 MaxDraftOpt = Annotated[str, typer.Option(
     "--max-draft", metavar="auto|N", rich_help_panel=SPEC,
     help="Draft tokens per round: auto (chosen each round from measured costs and acceptance) or a fixed N "
-         "(0: plain decoding; at most 15 are verified per round).")]
+         f"(0: plain decoding; at most {MAX_VERIFY_WIDTH - 1} are verified per round).")]
 #: The KV flags are plain strings checked by kv_kwargs (one `error:` line for a bad value, not typer's box).
 KVCacheOpt = Annotated[str, typer.Option(
     "--kv-cache", metavar="|".join(KV_CACHES), rich_help_panel=KV,
@@ -227,6 +227,9 @@ def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
             raise MlxInferError(f"--max-draft must be 'auto' or an integer >= 0, got {max_draft!r}") from None
         if value < 0:
             raise MlxInferError(f"--max-draft must be 'auto' or an integer >= 0, got {max_draft!r}")
+        if value > MAX_VERIFY_WIDTH - 1:
+            warnings.warn(f"--max-draft {value}: at most {MAX_VERIFY_WIDTH - 1} draft tokens are verified per round; "
+                          f"drafting {MAX_VERIFY_WIDTH - 1}")
     check_max_draft(value)
     mode = spec.strip().lower()
     if mode not in MODES:

@@ -120,6 +120,21 @@ def test_unknown_spec_mode_is_a_one_line_error(run_cli):
     assert_user_error(run_cli("generate", "hi", "--spec", "nonsense"), "--spec must be one of")
 
 
+def test_max_draft_above_the_verify_width_is_said():
+    """--max-draft above what one verify takes (MAX_VERIFY_WIDTH - 1 = 15 drafts) is capped there by the
+    loop; the flag says so instead of taking 99 silently. 15 and auto say nothing."""
+    import warnings
+
+    from mlx_infer.cli.options import spec_kwargs
+
+    with pytest.warns(UserWarning, match=r"--max-draft 99: at most 15 draft tokens are verified per round; drafting 15"):
+        assert spec_kwargs("lookup", None, "99")["max_draft"] == 99
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert spec_kwargs("lookup", None, "15")["max_draft"] == 15
+        assert spec_kwargs("lookup", None, "auto")["max_draft"] == "auto"
+
+
 def test_stop_flag_understands_backslash_escapes():
     from mlx_infer.cli.options import unescape
 

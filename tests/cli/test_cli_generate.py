@@ -2,8 +2,13 @@
 
 import json
 import re
+import signal
+import subprocess
+import threading
+import time
 
 import pytest
+from cli_helpers import cli_env
 from gguf_factory import TinySpec, random_weights, write_gguf
 
 QUESTION = "What is the capital of France?"
@@ -117,3 +122,30 @@ def test_a_stop_string_at_the_start_is_said(run_cli):
     as_json = run_cli("generate", QUESTION, "-n", "8", "--stop", "The", "--json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["text"] == ""
     assert "a --stop string matched at its start" in as_json.stderr
+
+
+def test_ctrl_c_ends_the_answers_line(mlx_infer_bin):
+    """Ctrl-C mid-answer: exit code 130, stdout's partial answer ends with a newline (so that "interrupted" on
+    stderr starts its own line on a terminal), one line on stderr and no traceback."""
+    # SIGINT back to its default in the child (a test run started in the background inherits it ignored)
+    proc = subprocess.Popen([mlx_infer_bin, "generate", "Write a very long story about a dragon.", "-n", "400",
+                             "--spec", "off"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        end = time.time() + 180
+        while len("".join(out).strip()) < 10 and time.time() < end and proc.poll() is None:
+            time.sleep(0.05)
+        assert len("".join(out).strip()) >= 10, "no answer started"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        reader.join(timeout=5)
+        text, stderr = "".join(out), proc.stderr.read()
+        assert text.endswith("\n") and len(text.split()) < 400
+        assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
