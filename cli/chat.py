@@ -79,8 +79,10 @@ class ChatSession:
         except KeyboardInterrupt:
             bar.close()
             self.history.pop()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            partial = "".join(reply)
+            if not partial or partial.endswith("\n"):  # else stream_to_stdout ended its line already
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             stderr.print("[dim](answer stopped; Ctrl-C again to exit)[/dim]")
             raise
         self.history.append({"role": "assistant", "content": "".join(reply)})

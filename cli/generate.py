@@ -93,14 +93,7 @@ def generate(
             answer = result.text
         else:
             pieces: List[str] = []
-            try:
-                final = stream_to_stdout(collect_text(engine.stream_steps(prompt_ids, params, **kwargs), pieces))
-            except KeyboardInterrupt:  # end the answer's line: "interrupted" (stderr) then starts its own
-                partial = "".join(pieces)
-                if partial and not partial.endswith("\n"):
-                    sys.stdout.write("\n")
-                    sys.stdout.flush()
-                raise
+            final = stream_to_stdout(collect_text(engine.stream_steps(prompt_ids, params, **kwargs), pieces))
             answer = "".join(pieces)
         bar.close()
         if not answer:  # an empty answer (nothing streamed, "text": "" in the JSON): say why
@@ -135,7 +128,8 @@ def collect_text(steps, into: List[str]):
 
 
 def stream_to_stdout(steps):
-    """Write each step's text to stdout as it comes, end with a newline; return the final stats."""
+    """Write each step's text to stdout as it comes and end its last line with a newline, also when stopped
+    (Ctrl-C: what is printed on stderr then starts its own line); return the final stats."""
     final, last = None, "\n"
     try:
         for step in steps:
@@ -147,7 +141,7 @@ def stream_to_stdout(steps):
                 final = step.stats
     finally:
         steps.close()
-    if last != "\n":
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        if last != "\n":
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     return final
