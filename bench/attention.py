@@ -58,7 +58,8 @@ def median_ms(fn, calls: int) -> float:
 
 
 def kernel_cells(contexts, calls: int) -> dict:
-    """'hot' / 'streamed' x context x width -> microseconds per layer of the attention kernel."""
+    """'hot' / 'streamed' x context x width -> microseconds per call of the attention kernel (LAYERS calls
+    per evaluation, over 2 or LAYERS layers' K / V in turn)."""
     out = {}
     for ctx in contexts:
         cap = -(-ctx // 256) * 256
