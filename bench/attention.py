@@ -21,25 +21,22 @@ Prints a table (and REF / this tree per cell) and writes bench/results/attention
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import machine, machine_line, write_result  # noqa: E402
+from common import REPO, code_sides, machine, machine_line, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlx_infer.kernels.dense_attention import dense_attention  # noqa: E402
 from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # the default model's attention
 WIDTHS = (1, 9)
@@ -128,24 +125,11 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(contexts, args.calls)))
         return
-    sides = {"this tree": dict(os.environ, PYTHONPATH=str(REPO))}
-    tmp = tempfile.TemporaryDirectory(prefix="mlx-infer-attn-")
-    if args.against:
-        tree = Path(tmp.name) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), args.against],
-                       check=True, capture_output=True)
-        (Path(tmp.name) / "shared").symlink_to(REPO.parent / "shared")  # for REF's code that reads ../shared
-        sides = {args.against: dict(os.environ, PYTHONPATH=str(tree), MLX_INFER_CACHE=str(Path(tmp.name) / "cache")),
-                 **sides}
-    try:
+    with code_sides(args.against) as sides:
         runs = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name, env in sides.items():
                 runs[name].append(run_side(env, args))
-    finally:
-        if args.against:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
-        tmp.cleanup()
     info = machine()
     print(machine_line(info))
     names = list(sides)

@@ -1,15 +1,20 @@
 """Shared benchmark plumbing: machine description, interleaved trials, result files."""
 
+import contextlib
 import json
 import os
 import platform
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 RESULTS_DIR = Path(__file__).parent / "results"
+#: This repository's root.
+REPO = Path(__file__).resolve().parent.parent
 #: The benchmark prompt sets, one JSON object per line with its "prompt" (chat, code, math, copy).
 PROMPTS = Path(__file__).resolve().parent / "prompts"
 
@@ -124,3 +129,28 @@ def write_result(name: str, payload: dict) -> Path:
     path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+@contextlib.contextmanager
+def code_sides(against: Optional[str]) -> Iterator[Dict[str, dict]]:
+    """The environments of the processes that measure "this tree" and, with `against` (a git commit or ref of
+    this repository), that commit: a `git worktree` of it in a temporary folder, its CPU kernels built in
+    their own cache ($MLX_INFER_CACHE), ../shared linked beside it. Each side imports mlx_infer from its own
+    tree ($PYTHONPATH), whatever is installed. {name: env}, REF first; the worktree is removed on exit.
+
+    Raises:
+        subprocess.CalledProcessError: `against` is not a commit of this repository.
+    """
+    sides = {"this tree": dict(os.environ, PYTHONPATH=str(REPO))}
+    if against is None:
+        yield sides
+        return
+    with tempfile.TemporaryDirectory(prefix="mlx-infer-bench-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), against],
+                       check=True, capture_output=True)
+        (Path(tmp) / "shared").symlink_to(REPO.parent / "shared")  # for REF's code that reads ../shared
+        try:
+            yield {against: dict(os.environ, PYTHONPATH=str(tree), MLX_INFER_CACHE=str(Path(tmp) / "cache")), **sides}
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)

@@ -20,8 +20,8 @@ using namespace nb::literals;
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "mlx-infer's CPU kernels (see mlx_infer/kernels/cpu.py)";
   m.def("qmm", &mlx_infer_kernels::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
-        "y [..., N] = x [..., K] @ dequantize(w, scales, biases).T, accumulated in float32.");
+        "residual"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "y [..., N] = [residual +] x [..., K] @ dequantize(w, scales, biases).T, accumulated in float32.");
   m.def("dequantize_f32", &mlx_infer_kernels::dequantize_f32, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The weight as float32 [N, K].");
@@ -47,6 +47,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("move_rows", &mlx_infer_kernels::move_rows, "a"_a, "src"_a, "dst"_a, nb::kw_only(), "stream"_a = nb::none(),
         "a [R, W] with row dst[i] replaced by row src[i] (int32 [M]), in place when MLX can donate a's buffer "
         "(see move.h).");
+  m.def("write_rows", &mlx_infer_kernels::write_rows, "a"_a, "x"_a, "dst"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "a [R, W] with row dst[i] replaced by row i of x [..., W], in place when MLX can donate a's buffer "
+        "(see move.h).");
   m.def("rms_norm", &mlx_infer_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y [..., D] = x / sqrt(mean(x^2) + eps) * weight, as mx.fast.rms_norm (see rms_norm.h).");
   m.def("rope", &mlx_infer_kernels::rope, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
@@ -56,10 +59,17 @@ NB_MODULE(_cpu_kernels, m) {
         "traditional"_a, "base"_a, "scale"_a, "freqs"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "[q [B, n_q, T, D], k [B, n_kv, T, D], v [B, n_kv, T, Dv]]: attention's heads from q [B, T, n_q * D], "
         "k, v, with q and k rotated as rope() rotates them (see rope.h).");
+  m.def("rope_heads_packed", &mlx_infer_kernels::rope_heads_packed, "qkv"_a, "offset"_a, "n_q"_a, "n_kv"_a, "dims"_a,
+        "traditional"_a, "base"_a, "scale"_a, "freqs"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "rope_heads of one packed projection qkv [B, T, (n_q + 2 n_kv) * D] (see rope.h).");
   m.def("swiglu", &mlx_infer_kernels::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y = gate * sigmoid(gate) * up, float32 (SwiGLU's gate, see swiglu.h).");
   m.def("geglu", &mlx_infer_kernels::geglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "y = gelu_approx(gate) * up, float32 (GeGLU's gate with GELU's tanh approximation, see swiglu.h).");
+  m.def("swiglu_packed", &mlx_infer_kernels::swiglu_packed, "gu"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "swiglu of gu [..., 2F] (gate, then up), float32 -> [..., F] (see swiglu.h).");
+  m.def("geglu_packed", &mlx_infer_kernels::geglu_packed, "gu"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "geglu of gu [..., 2F] (gate, then up), float32 -> [..., F] (see swiglu.h).");
   m.def("isa", &mlx_infer_kernels::isa, "The instruction set in use: avx512, avx2, neon or generic.");
   m.def("int8_bits", &mlx_infer_kernels::int8_bits,
         "The weight bit widths whose products round x to int8 in chunks of 32 (empty: all in float32).");

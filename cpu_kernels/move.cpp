@@ -24,6 +24,75 @@ mx::array move_rows(const mx::array& a, const mx::array& src, const mx::array& d
                    {a, row_contiguous(src, stream), row_contiguous(dst, stream)});
 }
 
+namespace {
+
+// out takes a's buffer when a is row-contiguous and MLX can donate it (returns true), else a new one.
+bool take_or_allocate(const mx::array& a, mx::array& out) {
+  if (a.flags().row_contiguous && a.is_donatable()) {
+    out.copy_shared_buffer(a);
+    return true;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return false;
+}
+
+// Row r of `p` (element strides st, W items of `item` bytes) into `to`.
+void copy_row(const char* p, const mx::Strides& st, int64_t r, int64_t W, size_t item, char* to) {
+  const char* from = p + r * st[0] * int64_t(item);
+  if (st[1] == 1) {
+    std::memcpy(to, from, size_t(W) * item);
+  } else {
+    for (int64_t j = 0; j < W; ++j) std::memcpy(to + j * item, from + j * st[1] * int64_t(item), item);
+  }
+}
+
+}  // namespace
+
+mx::array write_rows(const mx::array& a, const mx::array& x, const mx::array& dst, mx::StreamOrDevice s) {
+  if (a.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != a.shape(1) || x.dtype() != a.dtype()) {
+    throw std::invalid_argument("[write_rows] a must be [R, W] and x [..., W] of a's dtype, got " + shape_str(a) +
+                                " and " + shape_str(x));
+  }
+  const size_t M = a.shape(1) ? x.size() / size_t(a.shape(1)) : 0;
+  if (dst.ndim() != 1 || dst.dtype() != mx::int32 || dst.size() != M) {
+    throw std::invalid_argument("[write_rows] dst must be int32 [" + std::to_string(M) + "], got " + shape_str(dst));
+  }
+  mx::Stream stream = cpu_stream(s);
+  return mx::array(a.shape(), a.dtype(), std::make_shared<WriteRows>(stream), {a, x, row_contiguous(dst, stream)});
+}
+
+void WriteRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& a = inputs[0];
+  const mx::array& x = inputs[1];
+  const mx::array& dst = inputs[2];
+  mx::array& out = outputs[0];
+  require_row_contiguous(dst, "dst");
+  const bool in_place = take_or_allocate(a, out);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const mx::array& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  const int64_t R = a.shape(0), W = a.shape(1), M = dst.size();
+  const size_t item = a.itemsize(), row_bytes = size_t(W) * item;
+  encoder.dispatch([in_place, R, W, M, item, row_bytes, a, x, dp = dst.data<int32_t>(), op = out.data<char>()]() {
+    if (!in_place) {
+      for (int64_t r = 0; r < R; ++r) copy_row(a.data<char>(), a.strides(), r, W, item, op + r * int64_t(row_bytes));
+    }
+    std::vector<char> copy;  // x row-major, if it is not
+    const char* xp = static_cast<const char*>(contiguous_data(x, copy));
+    for (int64_t i = 0; i < M; ++i) {
+      if (dp[i] >= 0 && dp[i] < R) std::memcpy(op + dp[i] * int64_t(row_bytes), xp + i * int64_t(row_bytes), row_bytes);
+    }
+  });
+}
+
+void WriteRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[write_rows] the mlx-infer CPU kernels have no GPU implementation");
+}
+
+std::vector<mx::Shape> WriteRows::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
 void MoveRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& a = inputs[0];
   const mx::array& src = inputs[1];
@@ -31,12 +100,7 @@ void MoveRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::ar
   mx::array& out = outputs[0];
   require_row_contiguous(src, "src");
   require_row_contiguous(dst, "dst");
-  const bool in_place = a.flags().row_contiguous && a.is_donatable();
-  if (in_place) {
-    out.copy_shared_buffer(a);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
+  const bool in_place = take_or_allocate(a, out);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(a);
   encoder.set_input_array(src);
@@ -46,16 +110,8 @@ void MoveRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::ar
   const size_t item = a.itemsize(), row_bytes = size_t(W) * item;
   encoder.dispatch([in_place, R, W, M, item, row_bytes, ap = a.data<char>(), as = a.strides(),
                     sp = src.data<int32_t>(), dp = dst.data<int32_t>(), op = out.data<char>()]() {
-    auto row_of_a = [&](int64_t r, char* to) {  // row r of `a` (any strides) into `to`
-      const char* from = ap + r * as[0] * int64_t(item);
-      if (as[1] == 1) {
-        std::memcpy(to, from, row_bytes);
-      } else {
-        for (int64_t j = 0; j < W; ++j) std::memcpy(to + j * item, from + j * as[1] * int64_t(item), item);
-      }
-    };
     if (!in_place) {
-      for (int64_t r = 0; r < R; ++r) row_of_a(r, op + r * int64_t(row_bytes));
+      for (int64_t r = 0; r < R; ++r) copy_row(ap, as, r, W, item, op + r * int64_t(row_bytes));
     }
     // Every source row first, then the writes: a destination may be another move's source.
     std::vector<char> moved(size_t(M) * row_bytes);

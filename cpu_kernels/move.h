@@ -16,12 +16,29 @@ namespace mx = mlx::core;
 // Throws std::invalid_argument on another ndim, src / dst not int32 [M] of one size, or a non-CPU stream.
 mx::array move_rows(const mx::array& a, const mx::array& src, const mx::array& dst, mx::StreamOrDevice s = {});
 
+// out [R, W]: `a` [R, W] with row dst[i] replaced by row i of x (x [..., W] of a's dtype, any leading shape
+// flattened into M rows, any strides; a row named twice in dst gets its last write). dst int32 [M] in [0, R)
+// (an index outside is skipped). In place as move_rows when MLX can donate a's buffer: a KV pool plane's
+// write of a step's new tokens as one operation (a scatter wants its rows reshaped first).
+// Throws std::invalid_argument on another ndim, dtype or width, or dst not int32 [M].
+mx::array write_rows(const mx::array& a, const mx::array& x, const mx::array& dst, mx::StreamOrDevice s = {});
+
 class MoveRows : public mx::Primitive {
  public:
   explicit MoveRows(mx::Stream stream) : mx::Primitive(stream) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxInferMoveRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
+class WriteRows : public mx::Primitive {
+ public:
+  explicit WriteRows(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxInferWriteRows"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 };

@@ -273,6 +273,7 @@ mx::array qmm(
     const mx::array& biases,
     int group_size,
     int bits,
+    const std::optional<mx::array>& residual,
     mx::StreamOrDevice s) {
   auto [N, K] = check_weights(w, scales, biases, group_size, bits);
   if (x.ndim() < 1 || x.shape(-1) != K) {
@@ -286,11 +287,18 @@ mx::array qmm(
   mx::Stream stream = cpu_stream(s);
   mx::Shape shape = x.shape();
   shape.back() = N;
-  return mx::array(
-      std::move(shape),
-      mx::promote_types(x.dtype(), scales.dtype()),  // as mx::quantized_matmul
-      std::make_shared<Qmm>(stream, group_size, bits),
-      {x, row_contiguous(w, stream), row_contiguous(scales, stream), row_contiguous(biases, stream)});
+  const mx::Dtype y_dtype = mx::promote_types(x.dtype(), scales.dtype());  // as mx::quantized_matmul
+  std::vector<mx::array> inputs{x, row_contiguous(w, stream), row_contiguous(scales, stream),
+                                row_contiguous(biases, stream)};
+  if (residual) {
+    if (residual->shape() != shape || residual->dtype() != mx::float32 || y_dtype != mx::float32) {
+      throw std::invalid_argument("[qmm] the residual must be float32 " + shape_str(mx::zeros(shape, mx::float32)) +
+                                  " with a float32 product, got " + shape_str(*residual));
+    }
+    inputs.push_back(*residual);  // as it is (eval_cpu copies it if it is not row-contiguous): no copy operation
+  }
+  return mx::array(std::move(shape), y_dtype, std::make_shared<Qmm>(stream, group_size, bits, bool(residual)),
+                   std::move(inputs));
 }
 
 mx::array dequantize_f32(
@@ -358,7 +366,11 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
   const mx::array& x = inputs[0];
   QmmArgs a = product_args(inputs, outputs[0], stream(), group_size_, bits_);
   const int64_t y_item = int64_t(outputs[0].itemsize());
-  mx::cpu::get_command_encoder(stream()).dispatch([a, x, y_item]() mutable {
+  std::optional<mx::array> r_in;  // [M, N] float32, any strides
+  if (residual_) r_in = inputs[4];
+  mx::cpu::get_command_encoder(stream()).dispatch([a, x, y_item, r_in]() mutable {
+    std::vector<char> r_copy;  // a row-major copy of the residual if it is not
+    const float* residual = r_in ? static_cast<const float*>(contiguous_data(*r_in, r_copy)) : nullptr;
     const QmmKernel& k = kernel();
     const QmmQ8Kernel* q8 = k.q8 && (a.bits == 4 || k.q8->bits8) ? k.q8 : nullptr;
     std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order (natural for q8), on a cache line
@@ -388,6 +400,13 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
           q8->rows(a, n0, n1);
         } else {
           k.rows(a, n0, n1, scratch);
+        }
+        if (residual) {  // y = residual + product, this chunk's columns of the pass's rows
+          for (int m = 0; m < a.M; ++m) {
+            float* yr = static_cast<float*>(a.y) + int64_t(m) * a.ldy;
+            const float* rr = residual + (int64_t(m0) + m) * a.N;
+            for (int n = n0; n < n1; ++n) yr[n] = rr[n] + yr[n];
+          }
         }
       });
     }
@@ -420,7 +439,7 @@ void DequantizeF32::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 
 bool Qmm::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Qmm&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && residual_ == o.residual_;
 }
 
 bool DequantizeF32::is_equivalent(const mx::Primitive& other) const {

@@ -1,6 +1,7 @@
 // The quantized skinny matmul as MLX operations (Primitives with eval_cpu).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,9 @@ namespace mx = mlx::core;
 // dtype, usually x's); y [..., N]
 // in promote_types(x, scales) (x's dtype when they match), accumulated in float32.
 // Each weight group is read once for all M rows. bits 4 or 8, group_size 32, 64 or 128.
+// With `residual` (float32, y's shape, y float32): y = residual + the product, each sum rounded once to
+// float32 as a separate mx::add of the two would round it (a decoder block's residual connection
+// without an operation of its own).
 // Throws std::invalid_argument on other shapes or dtypes, or a stream that is not on the CPU.
 mx::array qmm(
     const mx::array& x,
@@ -25,6 +29,7 @@ mx::array qmm(
     const mx::array& biases,
     int group_size,
     int bits,
+    const std::optional<mx::array>& residual = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // The weight as float32 [N, K] (the wide path: one dequantization, then a BLAS matmul).
@@ -48,8 +53,8 @@ int num_threads();
 
 class Qmm : public mx::Primitive {
  public:
-  Qmm(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  Qmm(mx::Stream stream, int group_size, int bits, bool residual = false)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), residual_(residual) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxInferQmm"; }
@@ -59,6 +64,7 @@ class Qmm : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  bool residual_;  // inputs[4]: added to the product
 };
 
 class DequantizeF32 : public mx::Primitive {

@@ -128,14 +128,17 @@ mx::array offset_of(const mx::array& offset, int B, mx::Stream stream) {
   return row_contiguous(offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, stream), stream);
 }
 
-// The rows (b, n, t) of head n of x [B, T, N * D] (any strides), as rope_rows reads them.
-std::vector<int64_t> head_rows(const mx::array& x, int64_t N, int64_t D) {
+// The rows (b, n, t) of head n of x [B, T, col0 + N * D + ...] (any strides; the heads from feature col0
+// on), as rope_rows reads them.
+std::vector<int64_t> head_rows(const mx::array& x, int64_t N, int64_t D, int64_t col0 = 0) {
   const int64_t B = x.shape(0), T = x.shape(1);
   const auto& st = x.strides();
   std::vector<int64_t> rows(size_t(B * N * T));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t n = 0; n < N; ++n) {
-      for (int64_t t = 0; t < T; ++t) rows[size_t((b * N + n) * T + t)] = b * st[0] + t * st[1] + n * D * st[2];
+      for (int64_t t = 0; t < T; ++t) {
+        rows[size_t((b * N + n) * T + t)] = b * st[0] + t * st[1] + (col0 + n * D) * st[2];
+      }
     }
   }
   return rows;
@@ -170,9 +173,32 @@ std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const 
       {q, k, v, offset_of(offset, B, stream), inv_freq_of(dims, base, freqs, stream)});
 }
 
+std::vector<mx::array> rope_heads_packed(const mx::array& qkv, const mx::array& offset, int n_q, int n_kv, int dims,
+                                         bool traditional, float base, float scale,
+                                         const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
+  const int heads = n_q + 2 * n_kv;
+  if (qkv.ndim() != 3 || !is_float_type(qkv.dtype()) || n_q <= 0 || n_kv <= 0 || qkv.shape(2) % heads != 0) {
+    throw std::invalid_argument("[rope_heads] qkv must be [B, T, (n_q + 2 n_kv) * D] of a float dtype for " +
+                                std::to_string(n_q) + " query and " + std::to_string(n_kv) +
+                                " key / value heads, got " + shape_str(qkv));
+  }
+  const int B = qkv.shape(0), T = qkv.shape(1), D = qkv.shape(2) / heads;
+  if (dims <= 0 || dims % 2 != 0 || dims > D) {
+    throw std::invalid_argument("[rope_heads] dims must be even, positive and at most " + std::to_string(D) +
+                                ", got " + std::to_string(dims));
+  }
+  mx::Stream stream = cpu_stream(s);
+  const mx::Dtype dt = qkv.dtype();
+  return mx::array::make_arrays(
+      {mx::Shape{B, n_q, T, D}, mx::Shape{B, n_kv, T, D}, mx::Shape{B, n_kv, T, D}}, {dt, dt, dt},
+      std::make_shared<RopeHeads>(stream, n_q, n_kv, dims, traditional, scale, true),
+      {qkv, offset_of(offset, B, stream), inv_freq_of(dims, base, freqs, stream)});
+}
+
 void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const mx::array& offset = inputs[3];
-  const mx::array& inv_freq = inputs[4];
+  const size_t n_x = packed_ ? 1 : 3;  // the projection inputs before offset and inv_freq
+  const mx::array& offset = inputs[n_x];
+  const mx::array& inv_freq = inputs[n_x + 1];
   require_row_contiguous(offset, "offset");
   require_row_contiguous(inv_freq, "inv_freq");
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -190,16 +216,19 @@ void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   a.n_offsets = int64_t(offset.size());
   a.inv_freq = inv_freq.data<float>();
   const int heads[3] = {n_q_, n_kv_, n_kv_};
-  encoder.dispatch([a, heads, dims = dims_, ins = inputs, outs = outputs]() mutable {
+  encoder.dispatch([a, heads, packed = packed_, dims = dims_, ins = inputs, outs = outputs]() mutable {
+    int64_t col0 = 0;  // (packed) the first feature of projection i in qkv
     for (int i = 0; i < 3; ++i) {  // q and k rotated, v copied (rope over 0 features)
+      const mx::array& x = ins[packed ? 0 : i];
       RopeArgs h = a;
       h.N = heads[i];
-      h.D = ins[i].shape(2) / heads[i];
-      h.sd = ins[i].strides()[2];
+      h.D = outs[i].shape(3);
+      h.sd = x.strides()[2];
       h.dims = i < 2 ? dims : 0;
-      const std::vector<int64_t> rows = head_rows(ins[i], h.N, h.D);
+      const std::vector<int64_t> rows = head_rows(x, h.N, h.D, packed ? col0 : 0);
       h.rows = rows.data();
-      rope_any(h, ins[i], outs[i]);
+      rope_any(h, x, outs[i]);
+      col0 += h.N * h.D;
     }
   });
 }
@@ -211,11 +240,15 @@ void RopeHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 bool RopeHeads::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const RopeHeads&>(other);
   return n_q_ == o.n_q_ && n_kv_ == o.n_kv_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
-         scale_ == o.scale_;
+         scale_ == o.scale_ && packed_ == o.packed_;
 }
 
 std::vector<mx::Shape> RopeHeads::output_shapes(const std::vector<mx::array>& inputs) {
   const int B = inputs[0].shape(0), T = inputs[0].shape(1);
+  if (packed_) {
+    const int D = inputs[0].shape(2) / (n_q_ + 2 * n_kv_);
+    return {mx::Shape{B, n_q_, T, D}, mx::Shape{B, n_kv_, T, D}, mx::Shape{B, n_kv_, T, D}};
+  }
   return {mx::Shape{B, n_q_, T, inputs[0].shape(2) / n_q_}, mx::Shape{B, n_kv_, T, inputs[1].shape(2) / n_kv_},
           mx::Shape{B, n_kv_, T, inputs[2].shape(2) / n_kv_}};
 }

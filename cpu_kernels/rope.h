@@ -32,10 +32,20 @@ std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const 
                                   int n_q, int n_kv, int dims, bool traditional, float base, float scale,
                                   const std::optional<mx::array>& freqs = std::nullopt, mx::StreamOrDevice s = {});
 
+// rope_heads of one packed projection qkv [B, T, (n_q + 2 n_kv) * D] (the q, k and v columns in that order, as
+// one fused q / k / v product gives them; any strides): the same outputs as rope_heads of its three column
+// ranges, without the operation that would split them.
+std::vector<mx::array> rope_heads_packed(const mx::array& qkv, const mx::array& offset, int n_q, int n_kv, int dims,
+                                         bool traditional, float base, float scale,
+                                         const std::optional<mx::array>& freqs = std::nullopt,
+                                         mx::StreamOrDevice s = {});
+
 class RopeHeads : public mx::Primitive {
  public:
-  RopeHeads(mx::Stream stream, int n_q, int n_kv, int dims, bool traditional, float scale)
-      : mx::Primitive(stream), n_q_(n_q), n_kv_(n_kv), dims_(dims), traditional_(traditional), scale_(scale) {}
+  // packed: inputs are {qkv, offset, inv_freq} (rope_heads_packed), else {q, k, v, offset, inv_freq}
+  RopeHeads(mx::Stream stream, int n_q, int n_kv, int dims, bool traditional, float scale, bool packed = false)
+      : mx::Primitive(stream), n_q_(n_q), n_kv_(n_kv), dims_(dims), traditional_(traditional), scale_(scale),
+        packed_(packed) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxInferRopeHeads"; }
@@ -46,6 +56,7 @@ class RopeHeads : public mx::Primitive {
   int n_q_, n_kv_, dims_;
   bool traditional_;
   float scale_;
+  bool packed_;
 };
 
 class Rope : public mx::Primitive {

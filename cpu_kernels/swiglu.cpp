@@ -26,7 +26,25 @@ mx::array gated(const mx::array& gate, const mx::array& up, Gate kind, const cha
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(stream, kind), {gate, up});
 }
 
+mx::array gated_packed(const mx::array& gu, Gate kind, const char* op, mx::StreamOrDevice s) {
+  if (gu.dtype() != mx::float32 || gu.ndim() < 1 || gu.shape(-1) % 2 != 0) {
+    throw std::invalid_argument(std::string("[") + op + "] gu must be float32 [..., 2F], got " + shape_str(gu));
+  }
+  mx::Shape shape = gu.shape();
+  shape.back() /= 2;
+  mx::Stream stream = cpu_stream(s);
+  return mx::array(std::move(shape), mx::float32, std::make_shared<SwiGlu>(stream, kind, true), {gu});
+}
+
 }  // namespace
+
+mx::array swiglu_packed(const mx::array& gu, mx::StreamOrDevice s) {
+  return gated_packed(gu, Gate::silu, "swiglu", s);
+}
+
+mx::array geglu_packed(const mx::array& gu, mx::StreamOrDevice s) {
+  return gated_packed(gu, Gate::gelu_tanh, "geglu", s);
+}
 
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
   return gated(gate, up, Gate::silu, "swiglu", s);
@@ -37,14 +55,35 @@ mx::array geglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s
 }
 
 void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const mx::array& gate = inputs[0];
-  const mx::array& up = inputs[1];
   mx::array& out = outputs[0];
   auto& encoder = mx::cpu::get_command_encoder(stream());
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  encoder.set_input_array(gate);
-  encoder.set_input_array(up);
+  for (const mx::array& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
+  if (packed_) {
+    encoder.dispatch([gu = inputs[0], out, kind = gate_]() mutable {
+      std::vector<char> copy;  // a row-major copy of gu if it is not
+      const float* x = static_cast<const float*>(contiguous_data(gu, copy));
+      float* y = out.data<float>();
+      const int64_t F = out.shape(-1), rows = F ? int64_t(out.size()) / F : 0;
+      const QmmKernel& k = kernel();
+      const auto values = kind == Gate::silu ? k.swiglu : k.geglu;
+      const int64_t per_chunk = std::max<int64_t>(1, kSwigluChunk / std::max<int64_t>(F, 1));  // rows
+      const int chunks = int((rows + per_chunk - 1) / per_chunk);
+      auto run = [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) values(x + r * 2 * F, x + r * 2 * F + F, y + r * F, F);
+      };
+      ThreadPool& pool = ThreadPool::instance();
+      if (chunks < 2 || pool.size() == 1) {
+        run(0, rows);
+        return;
+      }
+      pool.parallel_for(chunks, [&](int c) { run(c * per_chunk, std::min(rows, (c + 1) * per_chunk)); });
+    });
+    return;
+  }
+  const mx::array& gate = inputs[0];
+  const mx::array& up = inputs[1];
   encoder.dispatch([gate, up, out, kind = gate_]() mutable {
     std::vector<char> gate_copy, up_copy;  // row-major copies of inputs that are not
     const float* g = static_cast<const float*>(contiguous_data(gate, gate_copy));
@@ -72,10 +111,16 @@ void SwiGlu::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 std::vector<mx::array> SwiGlu::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                                    const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const mx::Stream s = stream();
+  if (packed_) {  // the gradients of gate and up, concatenated as gu packs them
+    const int F = primals[0].shape(-1) / 2;
+    std::vector<mx::array> halves = mx::split(primals[0], mx::Shape{F}, -1, s);
+    std::vector<mx::array> g = SwiGlu(s, gate_).vjp(halves, cotangents, {0, 1}, {});
+    return {mx::concatenate(g, -1, s)};
+  }
   const mx::array& gate = primals[0];
   const mx::array& up = primals[1];
   const mx::array& cot = cotangents[0];
-  const mx::Stream s = stream();
   const mx::array one = mx::array(1.0f);
   const mx::array g2 = mx::multiply(gate, gate, s);
   // the sigmoid's argument a and its derivative da / dgate
@@ -95,6 +140,11 @@ std::vector<mx::array> SwiGlu::vjp(const std::vector<mx::array>& primals, const 
 }
 
 std::vector<mx::Shape> SwiGlu::output_shapes(const std::vector<mx::array>& inputs) {
+  if (packed_) {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() /= 2;
+    return {shape};
+  }
   return {inputs[0].shape()};
 }
 

@@ -420,7 +420,7 @@ def num_threads() -> int:
 
 
 def cpu_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-            bits: int) -> mx.array:
+            bits: int, residual: Optional[mx.array] = None) -> mx.array:
     """y = x @ dequantize(w, scales, biases).T on the CPU kernel, reading each weight group once for all
     rows (equals mx.quantized_matmul(..., transpose=True) up to float32 rounding).
 
@@ -430,15 +430,18 @@ def cpu_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_
         scales, biases: [N, K / group_size], float32/float16/bfloat16 (usually x's dtype).
         group_size: 32, 64 or 128.
         bits: 4 or 8.
+        residual: optional float32 [..., N] added to a float32 product in the same operation (bit for
+            bit `residual + y`: a decoder block's residual connection without an add of its own).
 
     Returns:
         y [..., N] in promote_types(x.dtype, scales.dtype), accumulated in float32; on the CPU stream.
 
     Raises:
         RuntimeError: the kernels are not available (see why_not()).
-        ValueError: shapes, dtypes, bits or group size the kernel does not take.
+        ValueError: shapes, dtypes, bits or group size the kernel does not take; a residual of another
+            shape or dtype, or with a product that is not float32.
     """
-    return _module().qmm(x, w, scales, biases, group_size, bits, stream=mx.cpu)
+    return _module().qmm(x, w, scales, biases, group_size, bits, residual, stream=mx.cpu)
 
 
 def cpu_rmm_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
@@ -582,6 +585,18 @@ def cpu_move_rows(a: mx.array, src: mx.array, dst: mx.array) -> mx.array:
     return _module().move_rows(a, src, dst, stream=mx.cpu)
 
 
+def cpu_write_rows(a: mx.array, x: mx.array, dst: mx.array) -> mx.array:
+    """a [R, W] with row dst[i] replaced by row i of x [..., W] (a's dtype; its leading axes flattened into M
+    rows, any strides), dst int32 [M] in [0, R) (an index outside is skipped), on the CPU kernel: one
+    operation, in place when MLX can donate a's buffer (as cpu_move_rows).
+
+    Raises:
+        RuntimeError: the kernels are not available (see why_not()).
+        ValueError: a not 2-D, x of another width or dtype, or dst not int32 [M].
+    """
+    return _module().write_rows(a, x, dst, stream=mx.cpu)
+
+
 def cpu_rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """mx.fast.rms_norm(x, weight, eps) as one operation on the CPU kernel (MLX's CPU backend runs it as
     11): x / sqrt(mean(x^2) + eps) * weight, the mean in float32, the normalized row rounded to the output
@@ -619,6 +634,18 @@ def cpu_swiglu(gate: mx.array, up: mx.array) -> mx.array:
         ValueError: another dtype or differing shapes.
     """
     return _module().swiglu(gate, up, stream=mx.cpu)
+
+
+def cpu_swiglu_packed(gu: mx.array) -> mx.array:
+    """cpu_swiglu of one packed product gu [..., 2F] float32 (gate in features [0, F), up in [F, 2F), as a
+    fused gate / up product gives them; any strides) -> [..., F], without an operation splitting gu.
+    Raises RuntimeError (no kernels) or ValueError (another dtype, an odd last axis)."""
+    return _module().swiglu_packed(gu, stream=mx.cpu)
+
+
+def cpu_geglu_packed(gu: mx.array) -> mx.array:
+    """cpu_geglu of one packed product gu [..., 2F] float32 (gate, then up) -> [..., F], as cpu_swiglu_packed."""
+    return _module().geglu_packed(gu, stream=mx.cpu)
 
 
 def cpu_geglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -687,3 +714,15 @@ def cpu_rope_heads(q: mx.array, k: mx.array, v: mx.array, n_q: int, n_kv: int, d
         offset = mx.array(offset, dtype=mx.int32)
     return tuple(_module().rope_heads(q, k, v, offset, n_q, n_kv, dims, traditional, 1.0 if base is None else base,
                                       scale, freqs, stream=mx.cpu))
+
+
+def cpu_rope_heads_packed(qkv: mx.array, n_q: int, n_kv: int, dims: int, traditional: bool, base: Optional[float],
+                          scale: float, offset, freqs: Optional[mx.array] = None) -> tuple:
+    """cpu_rope_heads of one packed projection qkv [B, T, (n_q + 2 n_kv) * D] (q's, k's and v's columns in
+    that order, as one fused q / k / v product gives them; any strides), without an operation splitting it:
+    (q [B, n_q, T, D], k [B, n_kv, T, D], v [B, n_kv, T, D]). Raises RuntimeError (no kernels) or ValueError
+    (a width that n_q + 2 n_kv heads do not split, dims, offset or freqs as cpu_rope_heads)."""
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    return tuple(_module().rope_heads_packed(qkv, offset, n_q, n_kv, dims, traditional, 1.0 if base is None else base,
+                                             scale, freqs, stream=mx.cpu))

@@ -69,6 +69,7 @@ class FusedLinear:
         self.views = tuple(tuple(layer[k] for k in keys) for layer in layers)
         mx.eval(self.views)
         self.splits = bounds[1:-1]
+        self.widths = tuple(hi - lo for lo, hi in zip(bounds, bounds[1:]))  # each layer's N_i
         self.group_size, self.bits = layers[0].group_size, layers[0].bits
 
     def covers(self, *layers: nn.Module) -> bool:
@@ -79,10 +80,12 @@ class FusedLinear:
                 and all(all(layer[k] is v for k, v in zip(_keys(layer), views))
                         for layer, views in zip(layers, self.views)))
 
-    def __call__(self, x: mx.array) -> List[mx.array]:
-        """x [..., K] -> each layer's output [..., N_i] (views of one product's columns)."""
+    def packed(self, x: mx.array) -> mx.array:
+        """x [..., K] -> the layers' outputs side by side, [..., sum N_i] (one product, no split)."""
         a = self.arrays
         y = qmm(x, a["weight"], a["scales"], a["biases"], self.group_size, self.bits)  # [..., sum N_i]
-        if "bias" in a:
-            y = y + a["bias"]
-        return mx.split(y, self.splits, axis=-1)
+        return y + a["bias"] if "bias" in a else y
+
+    def __call__(self, x: mx.array) -> List[mx.array]:
+        """x [..., K] -> each layer's output [..., N_i] (views of one product's columns)."""
+        return mx.split(self.packed(x), self.splits, axis=-1)

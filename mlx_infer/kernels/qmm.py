@@ -14,6 +14,7 @@ costs no prefill speed; on a GPU MLX's own quantized matmul runs.
 """
 
 import math
+from typing import Optional
 
 import mlx.core as mx
 
@@ -104,7 +105,8 @@ def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group
     return y.astype(out_dtype)
 
 
-def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+        residual: Optional[mx.array] = None) -> mx.array:
     """y = x @ dequantize(w, scales, biases).T for MLX's affine quantization, on the best path here.
 
     Args:
@@ -113,6 +115,8 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
         scales, biases: [N, K / group_size] float32 / float16 / bfloat16.
         group_size: 32, 64 or 128.
         bits: 4 or 8.
+        residual: optional [..., N]: the result is then residual + y, bit for bit as that add gives it (on the
+            CPU kernel, float32 operands, in the product's own operation: no add in the graph).
 
     Returns:
         y [..., N] in promote_types(x.dtype, scales.dtype), as mx.quantized_matmul(..., transpose=True)
@@ -127,9 +131,16 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     """
     shape = x.shape
     rows = math.prod(shape[:-1])
+    kernel = (rows > 0 and mx.default_device() == mx.cpu and cpu.available()
+              and (rows <= CPU_QMM_MAX_ROWS or bits in cpu.int8_bits()))
+    if residual is not None:
+        if (kernel and residual.dtype == mx.float32 and result_dtype(x.dtype, scales.dtype) == mx.float32
+                and residual.shape == (*shape[:-1], w.shape[0])):
+            return cpu.cpu_qmm(x, w, scales, biases, group_size, bits, residual)  # [..., N]
+        return residual + qmm(x, w, scales, biases, group_size, bits)
     if rows == 0:  # nothing to multiply; MLX's op gives the empty result's shape and dtype
         return reference_qmm(x, w, scales, biases, group_size, bits)
-    if mx.default_device() == mx.cpu and cpu.available() and (rows <= CPU_QMM_MAX_ROWS or bits in cpu.int8_bits()):
+    if kernel:
         return cpu.cpu_qmm(x, w, scales, biases, group_size, bits)  # [..., N]: no reshapes in the graph
     x2 = x if len(shape) == 2 else x.reshape(rows, shape[-1])  # [M, K]
     if rows <= QMM_MAX_ROWS:

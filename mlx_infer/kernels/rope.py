@@ -25,8 +25,10 @@ from mlx_lm.models import llama, qwen2
 
 from . import cpu
 from .fused import FusedLinear
+from .quantized import linear_add
 
-__all__ = ["KernelRoPE", "KernelRoPEAttention", "ROPE_ATTENTIONS", "rope", "rope_backend", "rope_heads"]
+__all__ = ["KernelRoPE", "KernelRoPEAttention", "ROPE_ATTENTIONS", "rope", "rope_backend", "rope_heads",
+           "rope_heads_packed"]
 
 #: mlx-lm attention classes whose forward is exactly: q / k / v projections, heads, RoPE at the cache's
 #: offset, the cache's update, their module's `scaled_dot_product_attention`, o_proj.
@@ -79,12 +81,29 @@ def rope_heads(q: mx.array, k: mx.array, v: mx.array, n_q: int, n_kv: int, rope_
                               rope_layer.scale, offset)
 
 
+def rope_heads_packed(qkv: mx.array, widths: tuple, n_q: int, n_kv: int, rope_layer: nn.Module,
+                      offset: Union[int, mx.array]) -> tuple:
+    """`rope_heads` of one packed projection qkv [B, T, N_q + N_k + N_v] (q's, k's and v's columns side by
+    side, of widths `widths`, as a fused q / k / v product gives them): one operation on the CPU kernel where
+    `rope_heads` would run there and v's heads are as wide as q's and k's, else the split and `rope_heads`."""
+    D = qkv.shape[-1] // (n_q + 2 * n_kv)
+    if (rope_backend() != "reference" and isinstance(rope_layer, KernelRoPE)
+            and tuple(widths) == (n_q * D, n_kv * D, n_kv * D)):
+        return cpu.cpu_rope_heads_packed(qkv, n_q, n_kv, rope_layer.dims, rope_layer.traditional, rope_layer.base,
+                                         rope_layer.scale, offset)
+    q, k, v = mx.split(qkv, [widths[0], widths[0] + widths[1]], axis=-1)  # [B, T, heads * D] each
+    return rope_heads(q, k, v, n_q, n_kv, rope_layer, offset)
+
+
 class KernelRoPEAttention(nn.Module):
     """An mlx-lm attention block (one of ROPE_ATTENTIONS, its RoPE a KernelRoPE) whose heads are split and
     rotated by `rope_heads`: x [B, L, D] -> [B, L, D], the same computation. Holds the same q_proj / k_proj /
     v_proj / o_proj and rope modules (same parameter names) and calls the `scaled_dot_product_attention` of
     the block's mlx-lm module, as rebound there (kv/attention_hook.py). With `qkv` (a FusedLinear of its
-    q_proj, k_proj and v_proj) the three projections run as one product while it still covers them."""
+    q_proj, k_proj and v_proj) the three projections run as one product while it still covers them, its
+    output split into heads as it is (`rope_heads_packed`). With `residual` [B, L, D] the result is
+    residual + the block's output, the add in o_proj's product where `linear_add` can put it there (a
+    decoder block's residual connection, kernels/block.py)."""
 
     def __init__(self, attn: nn.Module, qkv: Optional[FusedLinear] = None):
         """Wrap `attn`'s modules without copying them. Raises ValueError when `attn` is not one of
@@ -103,17 +122,19 @@ class KernelRoPEAttention(nn.Module):
         """The mlx-lm model module whose `scaled_dot_product_attention` this block calls (the wrapped block's)."""
         return self._home
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None, residual: Optional[mx.array] = None) -> mx.array:
         B, L, _ = x.shape
         offset = 0 if cache is None else cache.offset
         if self.qkv is not None and self.qkv.covers(self.q_proj, self.k_proj, self.v_proj):
-            q, k, v = self.qkv(x)  # [B, L, heads * D] each
+            q, k, v = rope_heads_packed(self.qkv.packed(x), self.qkv.widths, self.n_heads, self.n_kv_heads, self.rope,
+                                        offset)  # [B, heads, L, D]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = rope_heads(q, k, v, self.n_heads, self.n_kv_heads, self.rope, offset)  # [B, heads, L, D]
+            q, k, v = rope_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.n_heads, self.n_kv_heads,
+                                 self.rope, offset)  # [B, heads, L, D]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = self._home.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         if L > 1:  # (one position: [B, n_q, 1, Dv] reshapes to [B, 1, n_q * Dv] in the same order)
             out = out.transpose(0, 2, 1, 3)  # [B, L, n_q, Dv]
-        return self.o_proj(out.reshape(B, L, -1))  # [B, L, n_q * Dv] -> [B, L, D]
+        out = out.reshape(B, L, -1)  # [B, L, n_q * Dv]
+        return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)  # [B, L, D]

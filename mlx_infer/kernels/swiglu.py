@@ -23,8 +23,9 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from . import cpu
 from .fused import FusedLinear
+from .quantized import linear_add
 
-__all__ = ["GATED_MLPS", "KernelGatedMLP", "geglu", "swiglu", "swiglu_backend"]
+__all__ = ["GATED_MLPS", "KernelGatedMLP", "gated_packed", "geglu", "swiglu", "swiglu_backend"]
 
 #: mlx-lm MLP classes whose forward is exactly down_proj(GATE(gate_proj(x), up_proj(x))), by their GATE:
 #: "swiglu" (mlx-lm's swiglu, silu(gate) * up) or "geglu" (nn.gelu_approx(gate) * up).
@@ -47,6 +48,16 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return cpu.cpu_swiglu(gate, up)
 
 
+def gated_packed(gu: mx.array, kind: str) -> mx.array:
+    """`swiglu` (kind "swiglu") or `geglu` (kind "geglu") of one packed gate / up product gu [..., 2F] (gate in
+    features [0, F), up in [F, 2F)) -> [..., F]: one operation on the CPU kernel for float32 where it runs,
+    else the split and the gate."""
+    if swiglu_backend() != "reference" and gu.dtype == mx.float32:
+        return cpu.cpu_swiglu_packed(gu) if kind == "swiglu" else cpu.cpu_geglu_packed(gu)
+    gate, up = mx.split(gu, 2, axis=-1)  # [..., F] each
+    return swiglu(gate, up) if kind == "swiglu" else geglu(gate, up)
+
+
 def geglu(gate: mx.array, up: mx.array) -> mx.array:
     """gelu_approx(gate) * up, gate and up of one shape [..., F]: on the CPU kernel for float32 where it runs,
     else mlx's `nn.gelu_approx(gate) * up`."""
@@ -60,7 +71,9 @@ class KernelGatedMLP(nn.Module):
     """An mlx-lm gated MLP, one of GATED_MLPS (SwiGLU: llama / qwen2 / qwen3; GeGLU: Gemma-2 / Gemma-3), whose
     gate runs through `swiglu` or `geglu`: x [..., D] -> [..., D]. Holds the same gate_proj / up_proj /
     down_proj modules (same parameter names). With `gate_up` (a FusedLinear of its gate_proj and up_proj)
-    the two run as one product while it still covers them."""
+    the two run as one product while it still covers them, its output gated as it is (`gated_packed`). With
+    `residual` [..., D] the result is residual + the MLP's output, the add in down_proj's product where
+    `linear_add` can put it there (a decoder block's residual connection, kernels/block.py)."""
 
     def __init__(self, mlp: nn.Module, gate_up: Optional[FusedLinear] = None):
         """Wrap `mlp`'s three projections without copying them. Raises ValueError when `mlp` is not one of
@@ -72,9 +85,10 @@ class KernelGatedMLP(nn.Module):
         self.gate_up = gate_up  # (not a Module: its arrays are the projections')
         self.kind = GATED_MLPS[type(mlp)]  # "swiglu" or "geglu"
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: Optional[mx.array] = None) -> mx.array:
         if self.gate_up is not None and self.gate_up.covers(self.gate_proj, self.up_proj):
-            gate, up = self.gate_up(x)  # [..., F] each
+            h = gated_packed(self.gate_up.packed(x), self.kind)  # [..., 2F] -> [..., F]
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up) if self.kind == "swiglu" else geglu(gate, up))
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [..., F] each
+            h = swiglu(gate, up) if self.kind == "swiglu" else geglu(gate, up)
+        return self.down_proj(h) if residual is None else linear_add(self.down_proj, h, residual)

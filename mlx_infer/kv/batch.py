@@ -181,9 +181,9 @@ class BatchLayerCache:
         B, n_kv, L, S = step.shape
         if keys.shape[:3] != (B, n_kv, L):
             raise MlxInferError(f"the batched step planned keys [{B}, {n_kv}, {L}, D], got {keys.shape}")
-        k_new, v_new = keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])  # [B*n_kv*L, D]
-        if step.read_real is not None:
-            k_new, v_new = mx.take(k_new, step.read_real, axis=0), mx.take(v_new, step.read_real, axis=0)
+        k_new, v_new = keys, values  # [B, n_kv, L, D]: the pool's write takes them as B * n_kv * L rows
+        if step.read_real is not None:  # the real tokens' rows of the padded ones
+            k_new, v_new = (mx.take(x.reshape(-1, x.shape[-1]), step.read_real, axis=0) for x in (keys, values))
         pool.write(self.layer, step.write_rows, k_new, v_new)
         for s, n in zip(step.sequences, step.lengths):
             s.advance(self.layer, n)

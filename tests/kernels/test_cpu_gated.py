@@ -18,7 +18,7 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from qmm_helpers import ops_in_graph, run_in_variant
 
 from mlx_infer.kernels.linear import use_kernels
-from mlx_infer.kernels.swiglu import KernelGatedMLP, geglu, swiglu
+from mlx_infer.kernels.swiglu import KernelGatedMLP, gated_packed, geglu, swiglu
 
 #: |y - oracle| <= ulps * eps(float32) * |oracle| (* (1 + |a|) for GeGLU) + FLOOR, a the sigmoid's argument.
 #: FLOOR covers arguments below -87, where e^-a leaves float32's range.
@@ -111,6 +111,29 @@ def test_gradient_equals_the_references(cpu_kernels, gate):
     assert mx.allclose(only_up, want[1], rtol=rtol, atol=atol).item()
 
 
+@pytest.mark.parametrize("gate", GATES, ids=lambda g: g.name)
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_packed_gate_up_equals_the_two_halves(cpu_kernels, gate, rows):
+    """gated_packed of one fused gate / up product [..., 2F] equals the gate of its two halves bit for bit,
+    as one operation (strided input too), and its gradient is the halves' gradients side by side."""
+    gu = mx.random.normal((rows, 2 * gate.width), key=mx.random.key(6)) * gate.spread
+    mx.eval(gu)
+    g, u = mx.split(gu, 2, axis=-1)
+    got = gated_packed(gu, gate.name)
+    assert ops_in_graph(got) == [gate.op]
+    assert mx.array_equal(got, gate.fn(g, u)).item()
+    strided = mx.concatenate([g.T, u.T]).T  # [rows, 2F], not row-contiguous
+    assert mx.array_equal(gated_packed(strided, gate.name), gate.fn(g, u)).item()
+    weight = mx.random.normal((rows, gate.width), key=mx.random.key(7))
+    got = mx.grad(lambda a: (gated_packed(a, gate.name) * weight).sum())(gu)
+    want = mx.grad(lambda a, b: (gate.fn(a, b) * weight).sum(), argnums=(0, 1))(g, u)
+    assert mx.array_equal(got, mx.concatenate(want, axis=-1)).item()
+    half = gated_packed(gu.astype(mx.float16), gate.name)  # the split and the reference
+    assert half.dtype == mx.float16 and half.shape == (rows, gate.width)
+    with pytest.raises(ValueError, match="2F"):
+        cpu_kernels.cpu_swiglu_packed(gu[:, :-1])
+
+
 def test_use_kernels_swaps_swiglu_mlps(cpu_kernels):
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
@@ -119,7 +142,7 @@ def test_use_kernels_swaps_swiglu_mlps(cpu_kernels):
     ids = mx.array([[3, 14, 15, 92, 65]])
     ref = model(ids)
     mlp_weight = model.model.layers[0].mlp.gate_proj.weight
-    assert use_kernels(model) == 2 + 2 * 4 + 1  # an MLP, 2 norms, a RoPE, an attention per layer; the final norm
+    assert use_kernels(model) == 2 + 2 * 5 + 1  # an MLP, 2 norms, a RoPE, an attention, the block per layer; the final norm
     assert all(isinstance(layer.mlp, KernelGatedMLP) for layer in model.model.layers)
     assert model.model.layers[0].mlp.gate_proj.weight is mlp_weight  # the same arrays
     assert "model.layers.0.mlp.gate_proj.weight" in dict(nn.utils.tree_flatten(model.parameters()))

@@ -1,7 +1,8 @@
 """The repacker's row move on the CPU kernel (cpu_kernels/move.cpp, kernels/move_rows.py): the same rows as
 a NumPy oracle for every dtype, strides and overlapping moves; the input's buffer reused when MLX can donate
 it (only the moved rows copied: the peak memory of a move stays far under the array's size, where the
-reference's gather + scatter copies the whole array), and left untouched when something else holds it."""
+reference's gather + scatter copies the whole array), and left untouched when something else holds it. And
+write_rows, a batched step's write of its new K / V rows into a pool plane, against the same oracle."""
 
 import gc
 
@@ -9,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_infer.kernels.move_rows import move_rows, reference_move_rows
+from mlx_infer.kernels.move_rows import move_rows, reference_move_rows, write_rows
+from qmm_helpers import ops_in_graph
 from mlx_infer.kv import BlockPool, PagedSequence
 from mlx_infer.kv.cache import PagedKVCache
 from mlx_infer.kv.repack import Repacker
@@ -61,15 +63,15 @@ def test_a_held_input_is_left_untouched(cpu_kernels):
     np.testing.assert_array_equal(np.array(got)[0], before[9])
 
 
-def peak_of_move(fn, rows: int, width: int) -> int:
+def peak_of_move(fn, rows: int, width: int, want=oracle) -> int:
     """Peak bytes above the evaluated input while `fn` moves 64 rows of a float32 [rows, width] array that
-    nothing else holds."""
+    nothing else holds (its result checked against want(a, src, dst))."""
     a = mx.array(np.random.default_rng(3).standard_normal((rows, width)).astype(np.float32))
     mx.eval(a)
     src = mx.array(np.arange(0, 128, 2, dtype=np.int32))
     dst = mx.array(np.arange(rows - 64, rows, dtype=np.int32))
     mx.eval(src, dst)
-    want = oracle(np.array(a), np.array(src), np.array(dst))
+    want = want(np.array(a), np.array(src), np.array(dst))
     gc.collect()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -123,3 +125,42 @@ def test_bad_operands_are_refused(cpu_kernels):
         cpu_kernels.cpu_move_rows(mx.zeros((4, 4)), idx.astype(mx.int64), idx)
     with pytest.raises(ValueError, match="int32"):
         move_rows(mx.zeros((4, 4)), idx, mx.array(np.array([0, 1], np.int32)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.uint32])
+def test_written_rows_equal_the_oracle(cpu_kernels, dtype):
+    """write_rows of x [B, n_kv, L, W] (rows in that order, strided too) equals NumPy's out[dst] = rows, as
+    one operation, in place when nothing else holds the array; a held array is left untouched."""
+    rng = np.random.default_rng(5)
+    base = mx.array(rng.integers(0, 60000, (64, 24))).astype(dtype)
+    x = mx.array(rng.integers(0, 60000, (2, 3, 1, 24))).astype(dtype)
+    dst = mx.array(rng.permutation(64)[:6].astype(np.int32))
+    mx.eval(base, x, dst)
+    want = np.array(base.astype(mx.float32))
+    want[np.array(dst)] = np.array(x.astype(mx.float32)).reshape(6, 24)
+    held = np.array(base.astype(mx.float32))
+    got = write_rows(base, x, dst)
+    assert ops_in_graph(got) == ["MlxInferWriteRows"] and got.dtype == dtype
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+    np.testing.assert_array_equal(np.array(base.astype(mx.float32)), held)  # `base` was held: copied
+    strided = mx.array(np.array(x.astype(mx.float32)).reshape(6, 24).T.copy()).astype(dtype).T  # [6, 24], columns
+    np.testing.assert_array_equal(np.array(write_rows(base, strided, dst).astype(mx.float32)), want)
+    with pytest.raises(ValueError, match="write_rows"):
+        write_rows(base, x[..., :20], dst)
+    with pytest.raises(ValueError, match="write_rows"):
+        write_rows(base, x, dst[:3])
+
+
+def test_rows_are_written_in_place(cpu_kernels):
+    rows, width = 1 << 15, 64  # 8 MiB
+    x = np.ones((6, width), np.float32)
+    peak = peak_of_move(lambda a, src, dst: write_rows(a, mx.array(x), dst[:6]), rows, width,
+                        want=lambda a, src, dst: written(a, x, dst[:6]))
+    assert peak < rows * width * 4 // 8
+
+
+def written(a: np.ndarray, x: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """The oracle of write_rows: a with row dst[i] replaced by x[i]."""
+    out = a.copy()
+    out[dst] = x
+    return out

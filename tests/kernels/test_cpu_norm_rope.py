@@ -14,7 +14,7 @@ from mlx_lm.models import gemma3_text
 from mlx_infer.kernels.rms_norm import KernelOffsetRMSNorm, rms_norm
 import mlx.nn as nn
 
-from mlx_infer.kernels.rope import KernelRoPE, rope, rope_heads
+from mlx_infer.kernels.rope import KernelRoPE, rope, rope_heads, rope_heads_packed
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 #: Relative precision of each dtype (the spacing of numbers near 1).
@@ -202,3 +202,30 @@ def test_rope_heads_is_one_operation_and_checks_its_arguments(cpu_kernels):
         rope_heads(q, k, v, 9, 3, KernelRoPE(nn.RoPE(66)), 0)
     with pytest.raises(ValueError, match="offset"):
         rope_heads(q, k, v, 9, 3, layer, mx.array([1, 2], dtype=mx.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [7, "per-request"])
+def test_packed_heads_equal_the_three_projections(cpu_kernels, dtype, offset):
+    """rope_heads_packed of one fused q / k / v product equals rope_heads of its three column ranges bit for
+    bit, as one operation; with v's heads narrower than q's it splits and runs rope_heads."""
+    B, T, n_q, n_kv, D = 2, 3, 6, 2, 64
+    qkv = mx.random.normal((B, T, (n_q + 2 * n_kv) * D), key=mx.random.key(5)).astype(dtype)
+    mx.eval(qkv)
+    off = mx.array([5, 300], dtype=mx.int32) if offset == "per-request" else offset
+    layer = KernelRoPE(nn.RoPE(32, base=10000.0))
+    widths = (n_q * D, n_kv * D, n_kv * D)
+    got = rope_heads_packed(qkv, widths, n_q, n_kv, layer, off)
+    assert ops_in_graph(got[0]) == ["MlxInferRopeHeads"]
+    q, k, v = mx.split(qkv, [widths[0], widths[0] + widths[1]], axis=-1)
+    for a, b in zip(got, rope_heads(q, k, v, n_q, n_kv, layer, off)):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    narrow = qkv[..., : (n_q + n_kv) * D + n_kv * 32]  # v heads of 32 features
+    widths = (n_q * D, n_kv * D, n_kv * 32)
+    got = rope_heads_packed(narrow, widths, n_q, n_kv, layer, off)
+    assert got[2].shape == (B, n_kv, T, 32)
+    q, k, v = mx.split(narrow, [widths[0], widths[0] + widths[1]], axis=-1)
+    for a, b in zip(got, rope_heads(q, k, v, n_q, n_kv, layer, off)):
+        assert mx.array_equal(a, b).item()
+    with pytest.raises(ValueError, match="heads"):
+        cpu_kernels.cpu_rope_heads_packed(qkv[..., :-1], n_q, n_kv, 32, False, 10000.0, 1.0, 0)

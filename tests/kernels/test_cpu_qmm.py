@@ -14,10 +14,11 @@ import textwrap
 import mlx.core as mx
 import numpy as np
 import pytest
-from qmm_helpers import int8_bound, int8_oracle, magnitude, oracle, quantized, run_in_variant
+from qmm_helpers import int8_bound, int8_oracle, magnitude, ops_in_graph, oracle, quantized, run_in_variant
 
 from mlx_infer.blas import cpu_flags
 from mlx_infer.kernels import cpu
+from mlx_infer.kernels.qmm import CPU_QMM_MAX_ROWS, qmm
 
 FLOAT32_TOL = 1e-5
 EPS = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
@@ -255,3 +256,23 @@ def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
     """The int8-activation variants (against numpy's int8 product's bound), the AVX-512, AVX2 and portable
     variants (which this machine may not pick) against the oracle; rows independent of the row count."""
     run_in_variant(VARIANT_CHECK, variant, tmp_path)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 40, 300])
+def test_residual_is_added_in_the_product(cpu_kernels, rows):
+    """qmm(..., residual=r) equals r + qmm(...) bit for bit (one operation on the kernel's rows, the wide
+    path's add beyond them), and a residual of the wrong shape or dtype is refused."""
+    w, scales, biases = quantized(160, 96, 32, 4, dtype=mx.float16)
+    x = mx.random.normal((1, rows, 96), key=mx.random.key(2))
+    r = mx.random.normal((1, rows, 160), key=mx.random.key(3))
+    strided = mx.random.normal((1, 160, rows), key=mx.random.key(4)).transpose(0, 2, 1)  # not row-contiguous
+    mx.eval(x, r, strided)
+    for res in (r, strided):
+        got = qmm(x, w, scales, biases, 32, 4, residual=res)
+        assert mx.array_equal(got, res + qmm(x, w, scales, biases, 32, 4)).item()
+    if rows <= CPU_QMM_MAX_ROWS:
+        assert ops_in_graph(qmm(x, w, scales, biases, 32, 4, residual=r)) == ["MlxInferQmm"]
+    with pytest.raises(ValueError, match="residual"):
+        cpu.cpu_qmm(x, w, scales, biases, 32, 4, r[..., :80])
+    with pytest.raises(ValueError, match="residual"):
+        cpu.cpu_qmm(x, w, scales, biases, 32, 4, r.astype(mx.float16))

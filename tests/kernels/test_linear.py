@@ -16,6 +16,7 @@ from qmm_helpers import run_in_variant
 import mlx_infer
 from mlx_infer.generation.decode import plain_tokens
 from mlx_infer.generation.sampling import SamplingParams
+from mlx_infer.kernels.block import KernelDecoderBlock
 from mlx_infer.kernels.linear import (WIDENED_BITS, KernelQuantizedEmbedding, KernelQuantizedLinear, use_kernels,
                                       widen_codes)
 from mlx_infer.kernels.rms_norm import KernelRMSNorm
@@ -59,7 +60,9 @@ def test_tiny_llama_output_unchanged(cpu_kernels, bits, group_size):
 
     norms_and_ropes = [m for _, m in model.named_modules() if type(m) in (nn.RMSNorm, nn.RoPE)]
     assert len(norms_and_ropes) == 2 * 3 + 1  # 2 norms and a RoPE per layer, the final norm
-    assert use_kernels(model) == len(layers) + len(norms_and_ropes) + 2 + 2  # and an MLP, an attention per layer
+    # and an MLP, an attention, the block per layer
+    assert use_kernels(model) == len(layers) + len(norms_and_ropes) + 2 + 2 + 2
+    assert [type(layer) for layer in model.layers] == [KernelDecoderBlock] * 2
     assert [type(layer.self_attn) for layer in model.layers] == [KernelRoPEAttention] * 2
     assert quantized_layers(model) == []
     assert [type(m) for _, m in model.named_modules() if isinstance(m, (nn.RMSNorm, nn.RoPE))].count(KernelRMSNorm) == 5
@@ -127,13 +130,15 @@ def test_tiny_llama_widened_layers(cpu_kernels, bits):
             assert mx.array_equal(got.argmax(-1), ref.argmax(-1)).item()
 
 
-def test_rope_attention_equals_mlx_lm_block(cpu_kernels):
-    """The default model's attention blocks run as KernelRoPEAttention; its logits over a prefill, a 3-token
-    verify and a decode step equal, bit for bit, those of mlx-lm's own attention block holding the same
-    modules."""
+def test_rope_attention_equals_mlx_lm_block(cpu_kernels, monkeypatch):
+    """The default model's attention blocks run as KernelRoPEAttention in KernelDecoderBlocks (q / k / v as
+    one packed product split into heads by one operation, the residual adds inside o_proj's and down_proj's
+    products); its logits over a prefill, a 3-token verify and a decode step equal, bit for bit, those of
+    mlx-lm's own attention block holding the same modules, with the block's own adds."""
     engine = mlx_infer.load(weights="native")
     model = engine.model
     assert {type(layer.self_attn) for layer in model.layers} == {KernelRoPEAttention}
+    assert {type(layer) for layer in model.layers} == {KernelDecoderBlock}
     ids = engine.encode("The quick brown fox jumps over the lazy dog. Once upon a time")
 
     def forwards() -> list:
@@ -144,6 +149,10 @@ def test_rope_attention_equals_mlx_lm_block(cpu_kernels):
         return outs
 
     fused = forwards()
+    with monkeypatch.context() as patch:  # mlx-lm's block forward on the same modules: its two adds of its own
+        patch.setattr(KernelDecoderBlock, "__call__", llama.TransformerBlock.__call__)
+        for got, want in zip(fused, forwards()):
+            assert mx.array_equal(got, want).item()
     for layer in model.layers:
         attn, block = layer.self_attn, llama.Attention(model.args)
         block.q_proj, block.k_proj, block.v_proj, block.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
