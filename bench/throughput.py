@@ -5,7 +5,8 @@ Each process loads the default model (or --model) as users get it and measures, 
   decode    one request: greedy decode tokens/s after the first token (`Engine.stream_steps`, pipelined as
             `generate`), a whole prefill each time, median of --trials
   batch     --concurrency requests (the first prompts of bench/prompts) through `Engine.generate_batch`,
-            greedy: total tokens / wall seconds, prefill included, median of --trials
+            greedy, from an empty cache (no prefix-cache hits): total tokens / wall seconds, every prompt's
+            prefill included, median of --trials
 and the greedy tokens of both (the sides must agree).
 --against REF runs the same measurement on commit REF (a `git worktree` of it in a temporary folder, its
 CPU kernels built there in their own cache, $MLX_INFER_CACHE) in the other process of each round. Each side
@@ -56,6 +57,7 @@ def measure(model, trials: int, max_tokens: int, concurrency: int) -> dict:
         return tokens, (len(tokens) - 1) / (time.perf_counter() - first)
 
     def batch():
+        engine.reset()  # no prefix-cache hits from the previous run: every prompt prefilled
         start = time.perf_counter()
         results = engine.generate_batch(many, max_tokens=max_tokens)
         wall = time.perf_counter() - start
