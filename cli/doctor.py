@@ -132,7 +132,8 @@ def collect() -> dict:
         "kernels": qmm_backend() if backend_name != "cpu" or cpu_kernels.available() else "reference",
         "attention_kernel": attention_backend(),
         "rmm_kernel": rmm_backend(),
-        "paged_kv_kernels": {"attention": paged_attention_backend(), "repack": move_rows_backend()},
+        "paged_kv_kernels": {"attention": paged_attention_backend(), "repack": move_rows_backend(),
+                             "write": move_rows_backend()},
         "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend(),
                           "geglu": swiglu_backend()},
         "kernel_threads": cpu_kernels.num_threads() if cpu_kernels_run else None,
@@ -180,8 +181,8 @@ def render(info: dict) -> Table:
         threads = f", {info['kernel_threads']} threads" if info["kernel_threads"] else ""
         table.add_row("kernels", f"quantized matmul: {info['kernels']}{threads}; quantized-KV attention: "
                                  f"{info['attention_kernel']}; reduced matmul (--rmm): {info['rmm_kernel']}; paged KV "
-                                 f"attention / repacking: {info['paged_kv_kernels']['attention']} / "
-                                 f"{info['paged_kv_kernels']['repack']}; RMSNorm / RoPE / SwiGLU / GeGLU: "
+                                 f"attention / repacking / batched writes: {info['paged_kv_kernels']['attention']} / "
+                                 f"{info['paged_kv_kernels']['repack']} / {info['paged_kv_kernels']['write']}; RMSNorm / RoPE / SwiGLU / GeGLU: "
                                  f"{info['layer_kernels']['rms_norm']} / {info['layer_kernels']['rope']} / "
                                  f"{info['layer_kernels']['swiglu']} / {info['layer_kernels']['geglu']}")
     if info["int8_activation_bits"]:

@@ -292,8 +292,11 @@ mx::array qmm(
                                 row_contiguous(biases, stream)};
   if (residual) {
     if (residual->shape() != shape || residual->dtype() != mx::float32 || y_dtype != mx::float32) {
-      throw std::invalid_argument("[qmm] the residual must be float32 " + shape_str(mx::zeros(shape, mx::float32)) +
-                                  " with a float32 product, got " + shape_str(*residual));
+      std::ostringstream msg;  // (MLX's operator<< names a dtype)
+      msg << "[qmm] the residual must be float32 " << shape_str(mx::zeros(shape, mx::float32))
+          << " with a float32 product, got " << shape_str(*residual) << " " << residual->dtype() << " with a "
+          << y_dtype << " product";
+      throw std::invalid_argument(msg.str());
     }
     inputs.push_back(*residual);  // as it is (eval_cpu copies it if it is not row-contiguous): no copy operation
   }

@@ -53,7 +53,7 @@ def write_rows(a: mx.array, x: mx.array, dst: mx.array) -> mx.array:
     """a [R, W] with row dst[i] replaced by row i of x [..., W] (a's dtype, leading axes flattened into M
     rows), dst int32 [M] in [0, R). On the CPU kernel where it runs: one operation, in place when MLX can
     donate a's buffer (MLX's scatter `a[dst] = x` wants x reshaped to [M, W] first: two operations, which
-    run otherwise). Runs on the current default stream.
+    run otherwise, on the current default stream).
 
     Raises:
         ValueError: a not 2-D, x of another width or dtype, or dst not int32 [M].

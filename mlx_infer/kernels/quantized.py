@@ -26,9 +26,6 @@ KERNEL_GROUP_SIZES = (32, 64, 128)
 #: Bit widths whose codes are widened to 8 bits (`widen_codes`) so that the kernels run the layer.
 WIDENED_BITS = (2, 3, 5, 6)
 
-__all__ = ["KernelQuantizedLinear", "KernelQuantizedEmbedding", "fuse_projections", "supports", "use_kernels",
-           "widen_codes"]
-
 
 def supports(layer: nn.Module) -> bool:
     """Whether a QuantizedLinear / QuantizedEmbedding can run on the kernels: affine mode with biases,

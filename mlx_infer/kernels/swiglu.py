@@ -51,7 +51,9 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 def gated_packed(gu: mx.array, kind: str) -> mx.array:
     """`swiglu` (kind "swiglu") or `geglu` (kind "geglu") of one packed gate / up product gu [..., 2F] (gate in
     features [0, F), up in [F, 2F)) -> [..., F]: one operation on the CPU kernel for float32 where it runs,
-    else the split and the gate."""
+    else the split and the gate. Raises ValueError for another kind."""
+    if kind not in ("swiglu", "geglu"):
+        raise ValueError(f"gated_packed: kind must be 'swiglu' or 'geglu', got {kind!r}")
     if swiglu_backend() != "reference" and gu.dtype == mx.float32:
         return cpu.cpu_swiglu_packed(gu) if kind == "swiglu" else cpu.cpu_geglu_packed(gu)
     gate, up = mx.split(gu, 2, axis=-1)  # [..., F] each

@@ -331,7 +331,7 @@ class BlockPool:
     def write(self, layer: int, rows: Union[int, mx.array], keys: mx.array, values: mx.array) -> None:
         """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L] (one `write_rows` per plane), or for one token
         (L == 1) its slot, an int (one strided slice update per plane: rows slot, slot + rows_per_head, ...;
-        measured on the default model's decode step, 0.4-0.5 ms less than the scatter's reshapes); keys
+        measured on the default model's decode step, 0.4-0.5 ms less than a scatter and its reshapes); keys
         [n_kv, L, k_dim], values [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks
         quantize each row first (Hadamard-rotated where quant.rotate_k / rotate_v say so, float16, then MLX's
         affine quantization: QuantKVCache's packing of the same row)."""

@@ -31,7 +31,8 @@ def test_doctor_json(run_cli, tmp_path):
     if platform.system() == "Linux":
         assert info["blas"] == "reference" or info["blas"].startswith("openblas")
     if info["backend"] == "cpu":  # the paged KV's and the layers' kernels run where the quantized-KV attention one does
-        assert info["paged_kv_kernels"] == {"attention": info["attention_kernel"], "repack": info["attention_kernel"]}
+        assert info["paged_kv_kernels"] == {"attention": info["attention_kernel"], "repack": info["attention_kernel"],
+                                            "write": info["attention_kernel"]}
         assert info["layer_kernels"] == {"rms_norm": info["attention_kernel"], "rope": info["attention_kernel"],
                                          "swiglu": info["attention_kernel"], "geglu": info["attention_kernel"]}
 

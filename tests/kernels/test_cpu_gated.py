@@ -132,6 +132,8 @@ def test_packed_gate_up_equals_the_two_halves(cpu_kernels, gate, rows):
     assert half.dtype == mx.float16 and half.shape == (rows, gate.width)
     with pytest.raises(ValueError, match="2F"):
         cpu_kernels.cpu_swiglu_packed(gu[:, :-1])
+    with pytest.raises(ValueError, match="kind"):
+        gated_packed(gu, "relu")
 
 
 def test_use_kernels_swaps_swiglu_mlps(cpu_kernels):
