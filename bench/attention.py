@@ -22,7 +22,6 @@ Prints a table (and REF / this tree per cell) and writes bench/results/attention
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import REPO, code_sides, machine, machine_line, write_result  # noqa: E402
+from common import REPO, code_sides, machine, machine_line, run_child, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -103,12 +102,7 @@ def measure(contexts, calls: int) -> dict:
 
 def run_side(env: dict, args) -> dict:
     """One child process of this script with `env`; its measurement."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--contexts", args.contexts,
-           "--calls", str(args.calls)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"bench/attention.py: a measuring process failed ({env.get('PYTHONPATH')}):\n{done.stderr.strip()}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, ["--contexts", args.contexts, "--calls", str(args.calls)], env)
 
 
 def main() -> None:

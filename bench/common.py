@@ -7,6 +7,7 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -154,3 +155,15 @@ def code_sides(against: Optional[str]) -> Iterator[Dict[str, dict]]:
             yield {against: dict(os.environ, PYTHONPATH=str(tree), MLX_INFER_CACHE=str(Path(tmp) / "cache")), **sides}
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
+def run_child(script: str, args: Sequence[str], env: dict) -> dict:
+    """Run `script` (a bench script's __file__) again as a measuring child process: `--child` and `args`,
+    with `env` (a side of `code_sides`); its measurement, the JSON object on its last stdout line. Exits with
+    the child's stderr when it fails."""
+    name = f"bench/{Path(script).name}"
+    done = subprocess.run([sys.executable, str(Path(script).resolve()), "--child", *args], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{name}: a measuring process failed ({env.get('PYTHONPATH')}):\n{done.stderr.strip()}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -20,7 +20,6 @@ bench/results/throughput-*.json.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import PROMPTS, code_sides, machine, machine_line, write_result  # noqa: E402
+from common import PROMPTS, code_sides, machine, machine_line, run_child, write_result  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -73,12 +72,8 @@ def measure(model, trials: int, max_tokens: int, concurrency: int) -> dict:
 
 def run_side(env: dict, args) -> dict:
     """One child process of this script with `env`; its measurement."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--trials", str(args.trials), "--max-tokens",
-           str(args.max_tokens), "--concurrency", str(args.concurrency)] + (["--model", args.model] if args.model else [])
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"bench/throughput.py: a measuring process failed ({env.get('PYTHONPATH')}):\n{done.stderr.strip()}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens), "--concurrency",
+                                str(args.concurrency)] + (["--model", args.model] if args.model else []), env)
 
 
 def main() -> None:
