@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import REPO, code_sides, machine, machine_line, run_child, write_result  # noqa: E402
+from common import REPO, alternated, machine, machine_line, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -100,11 +100,6 @@ def measure(contexts, calls: int) -> dict:
     return {"attention": paged_attention_backend(), **kernel_cells(contexts, calls), **model_cells(contexts, calls)}
 
 
-def run_side(env: dict, args) -> dict:
-    """One child process of this script with `env`; its measurement."""
-    return run_child(__file__, ["--contexts", args.contexts, "--calls", str(args.calls)], env)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", default=None, help="a git commit (or ref) of this repository to compare with")
@@ -119,14 +114,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(contexts, args.calls)))
         return
-    with code_sides(args.against) as sides:
-        runs = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, env in sides.items():
-                runs[name].append(run_side(env, args))
+    runs = alternated(__file__, args.against, args.rounds, ["--contexts", args.contexts, "--calls", str(args.calls)])
     info = machine()
     print(machine_line(info))
-    names = list(sides)
+    names = list(runs)
     kernels = ", ".join(f"{n}: {runs[n][0]['attention']}" for n in names)
     print(f"attention kernel: {kernels}; medians of {args.rounds} processes per side")
     cells = [k for k in runs[names[-1]][0] if k != "attention"]

@@ -167,3 +167,14 @@ def run_child(script: str, args: Sequence[str], env: dict) -> dict:
     if done.returncode != 0:
         sys.exit(f"{name}: a measuring process failed ({env.get('PYTHONPATH')}):\n{done.stderr.strip()}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alternated(script: str, against: Optional[str], rounds: int, args: Sequence[str]) -> Dict[str, List[dict]]:
+    """`rounds` rounds of one measuring child of `script` per side of `code_sides(against)` (run_child with
+    `args`), the sides in turn within each round: {side name: [its measurement per round]}, REF first."""
+    with code_sides(against) as sides:
+        runs: Dict[str, List[dict]] = {name: [] for name in sides}
+        for _ in range(rounds):
+            for name, env in sides.items():
+                runs[name].append(run_child(script, args, env))
+    return runs

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import PROMPTS, code_sides, machine, machine_line, run_child, write_result  # noqa: E402
+from common import PROMPTS, alternated, machine, machine_line, write_result  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -70,12 +70,6 @@ def measure(model, trials: int, max_tokens: int, concurrency: int) -> dict:
             "batch_tokens": batched[0][0]}
 
 
-def run_side(env: dict, args) -> dict:
-    """One child process of this script with `env`; its measurement."""
-    return run_child(__file__, ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens), "--concurrency",
-                                str(args.concurrency)] + (["--model", args.model] if args.model else []), env)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", default=None, help="a git commit (or ref) of this repository to compare with")
@@ -89,13 +83,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.model, args.trials, args.max_tokens, args.concurrency)))
         return
-    with code_sides(args.against) as sides:
-        runs = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, env in sides.items():
-                runs[name].append(run_side(env, args))
+    child = ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens), "--concurrency", str(args.concurrency)]
+    runs = alternated(__file__, args.against, args.rounds, child + (["--model", args.model] if args.model else []))
     info = machine()
-    names = list(sides)
+    names = list(runs)
     print(machine_line(info))
     print("kernels: " + ", ".join(f"{n}: {runs[n][0]['kernels']}" for n in names) +
           f"; medians of {args.rounds} processes per side, {args.trials} runs each, {args.max_tokens} tokens")
