@@ -22,9 +22,6 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("qmm", &mlx_infer_kernels::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "residual"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "y [..., N] = [residual +] x [..., K] @ dequantize(w, scales, biases).T, accumulated in float32.");
-  m.def("dequantize_f32", &mlx_infer_kernels::dequantize_f32, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "The weight as float32 [N, K].");
   m.def("quant_attention", &mlx_infer_kernels::quant_attention, "q"_a, "k"_a, "k_scales"_a, "k_biases"_a, "v"_a,
         "v_scales"_a, "v_biases"_a, "length"_a, "scale"_a, "positions"_a, "group_size"_a, "k_bits"_a, "v_bits"_a,
         "channel_keys"_a = false, nb::kw_only(), "stream"_a = nb::none(),

@@ -304,22 +304,6 @@ mx::array qmm(
                    std::move(inputs));
 }
 
-mx::array dequantize_f32(
-    const mx::array& w,
-    const mx::array& scales,
-    const mx::array& biases,
-    int group_size,
-    int bits,
-    mx::StreamOrDevice s) {
-  auto [N, K] = check_weights(w, scales, biases, group_size, bits);
-  mx::Stream stream = cpu_stream(s);
-  return mx::array(
-      {N, K},
-      mx::float32,
-      std::make_shared<DequantizeF32>(stream, group_size, bits),
-      {row_contiguous(w, stream), row_contiguous(scales, stream), row_contiguous(biases, stream)});
-}
-
 QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::Stream stream, int group_size,
                      int bits) {
   const mx::array& x = inputs[0];
@@ -376,11 +360,14 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
     const float* residual = r_in ? static_cast<const float*>(contiguous_data(*r_in, r_copy)) : nullptr;
     const QmmKernel& k = kernel();
     const QmmQ8Kernel* q8 = k.q8 && (a.bits == 4 || k.q8->bits8) ? k.q8 : nullptr;
-    std::vector<float> xbuf;  // x as [M, K] float32 in the kernel's order (natural for q8), on a cache line
+    // x as [M, K] float32 in the kernel's order (natural for q8), on a cache line, and its int8 codes: in
+    // buffers this thread keeps between calls. Allocated per call, a prefill's x (past glibc's 128 KiB
+    // mmap threshold: 57 rows at K = 576) came as fresh pages every time, and their first-touch faults
+    // made a 113-row product on the default model's 3072 x 576 weight 1.7x slower (Zen 5 VM).
+    thread_local std::vector<float> xbuf, xd, xs;
+    thread_local std::vector<int8_t> xq;
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
     load_x_as(x, q8 ? 8 : a.bits, k.lanes, xf);
-    std::vector<int8_t> xq;
-    std::vector<float> xd, xs;
     if (q8) {  // x rounded to int8 once for every weight row
       xq.resize(size_t(a.M) * a.K);
       xd.resize(size_t(a.M) * (a.K / 32) * 4);
@@ -416,27 +403,7 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
   });
 }
 
-void DequantizeF32::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  mx::array& out = outputs[0];
-  QmmArgs a = weight_args(inputs, 0, out, stream(), group_size_, bits_);
-  a.N = out.shape(0);
-  a.K = out.shape(1);
-  a.G = a.K / a.group_size;
-  a.y_dtype = Dtype::f32;
-  mx::cpu::get_command_encoder(stream()).dispatch([a, y = out.data<float>()]() {
-    const QmmKernel& k = kernel();
-    // Weighted like a 4-row product: dequantizing is a few operations per value.
-    split_rows(a.N, a.K, int64_t(4) * a.N * a.K, [&](int n0, int n1, float*) {
-      k.dequant(a, n0, n1, y + int64_t(n0) * a.K);
-    });
-  });
-}
-
 void Qmm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[qmm] the mlx-infer CPU kernels have no GPU implementation");
-}
-
-void DequantizeF32::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[qmm] the mlx-infer CPU kernels have no GPU implementation");
 }
 
@@ -445,19 +412,10 @@ bool Qmm::is_equivalent(const mx::Primitive& other) const {
   return group_size_ == o.group_size_ && bits_ == o.bits_ && residual_ == o.residual_;
 }
 
-bool DequantizeF32::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const DequantizeF32&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
-}
-
 std::vector<mx::Shape> Qmm::output_shapes(const std::vector<mx::array>& inputs) {
   mx::Shape shape = inputs[0].shape();
   shape.back() = inputs[1].shape(0);
   return {shape};
-}
-
-std::vector<mx::Shape> DequantizeF32::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
 }
 
 }  // namespace mlx_infer_kernels

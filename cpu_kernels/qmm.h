@@ -32,15 +32,6 @@ mx::array qmm(
     const std::optional<mx::array>& residual = std::nullopt,
     mx::StreamOrDevice s = {});
 
-// The weight as float32 [N, K] (the wide path: one dequantization, then a BLAS matmul).
-mx::array dequantize_f32(
-    const mx::array& w,
-    const mx::array& scales,
-    const mx::array& biases,
-    int group_size,
-    int bits,
-    mx::StreamOrDevice s = {});
-
 // The instruction set the kernels run with: "avx512", "avx2", "neon" or "generic".
 std::string isa();
 // The weight bit widths whose products run on the variant's int8-activation path (QmmQ8Kernel).
@@ -65,21 +56,6 @@ class Qmm : public mx::Primitive {
   int group_size_;
   int bits_;
   bool residual_;  // inputs[4]: added to the product
-};
-
-class DequantizeF32 : public mx::Primitive {
- public:
-  DequantizeF32(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "MlxInferDequantizeF32"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-
- private:
-  int group_size_;
-  int bits_;
 };
 
 }  // namespace mlx_infer_kernels

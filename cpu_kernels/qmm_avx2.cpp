@@ -100,7 +100,7 @@ struct Avx2 {
 }  // namespace
 
 const QmmKernel& kernel_avx2() {
-  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &dequant<Avx2>, &attend<Avx2>,
+  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &attend<Avx2>,
                            &paged_attend<Avx2>, &softmax_rows<Avx2>, &swiglu_values<Avx2>,
                            &geglu_values<Avx2>};
   return k;

@@ -92,7 +92,7 @@ struct Avx512 {
 }  // namespace
 
 const QmmKernel& kernel_avx512() {
-  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &dequant<Avx512>, &attend<Avx512>,
+  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &attend<Avx512>,
                            &paged_attend<Avx512>, &softmax_rows<Avx512>, &swiglu_values<Avx512>,
                            &geglu_values<Avx512>};
   return k;

@@ -111,7 +111,7 @@ constexpr int kStep = BITS == 4 ? 2 * S::L : S::L;
 
 // Weight row n as float32 into out[0:x_len(a)] (the groups read, in order). Kernel order (NATURAL false): for bits 4 each block of 2L
 // values holds the even-indexed ones first, then the odd ones (x is reordered the same way, see
-// load_x in qmm.cpp); natural order (NATURAL true) is the weight's own, for the wide path.
+// load_x in qmm.cpp); natural order (NATURAL true) is the weight's own, for the attention kernels' quantized rows.
 template <class S, int BITS, bool NATURAL>
 inline void dequant_row(const QmmArgs& a, int n, float* out) {
   using V = typename S::V;
@@ -450,18 +450,6 @@ void rows(const QmmArgs& a, int n0, int n1, float* scratch) {
     rows_impl<S, 4>(a, n0, n1, scratch);
   } else {
     rows_impl<S, 8>(a, n0, n1, scratch);
-  }
-}
-
-template <class S>
-void dequant(const QmmArgs& a, int n0, int n1, float* out) {
-  for (int n = n0; n < n1; ++n) {
-    float* o = out + int64_t(n - n0) * a.K;
-    if (a.bits == 4) {
-      dequant_row<S, 4, true>(a, n, o);
-    } else {
-      dequant_row<S, 8, true>(a, n, o);
-    }
   }
 }
 

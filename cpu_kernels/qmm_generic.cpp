@@ -153,11 +153,11 @@ struct Generic {
 
 const QmmKernel& kernel_generic() {
 #if defined(__aarch64__)
-  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
+  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &attend<Generic>,
                            &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>,
                            &geglu_values<Generic>};
 #else
-  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &dequant<Generic>, &attend<Generic>,
+  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &attend<Generic>,
                            &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>,
                            &geglu_values<Generic>};
 #endif

@@ -147,8 +147,6 @@ struct QmmKernel {
   int rows_per_block;  // weight rows dequantized together (chunks of N are multiples of it)
   // Computes y[:, n0:n1]. scratch: rows_per_block * K floats, private to the calling thread.
   void (*rows)(const QmmArgs& a, int n0, int n1, float* scratch);
-  // Dequantizes w rows [n0, n1) to float32 out [n1 - n0, K] in natural order (the wide path).
-  void (*dequant)(const QmmArgs& a, int n0, int n1, float* out);
   // The partial of head h over keys [s0, s1) (query row r sees keys s <= S - P + r % P). scratch:
   // attn_scratch_floats(D, Dv, R) floats, private to the calling thread.
   void (*attend)(const AttnArgs& a, int h, int s0, int s1, AttnPartial out, float* scratch);

@@ -458,17 +458,6 @@ def cpu_rmm_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
     return _module().rmm_qmm(x, w, scales, biases, group_size, bits, keep, stream=mx.cpu)
 
 
-def cpu_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
-    """The weight as float32 [N, K] (w [N, K * bits / 32] uint32, scales / biases [N, K / group_size]),
-    dequantized on the CPU kernel's threads: the wide (prefill) path's one dequantization.
-
-    Raises:
-        RuntimeError: the kernels are not available.
-        ValueError: shapes, dtypes, bits or group size the kernel does not take.
-    """
-    return _module().dequantize_f32(w, scales, biases, group_size, bits, stream=mx.cpu)
-
-
 def cpu_quant_attention(q: mx.array, keys, values, length: int, scale: float, positions: int, group_size: int,
                         k_bits: int, v_bits: int, channel_keys: bool = False, with_lse: bool = False):
     """Attention over a quantized KV cache on the CPU kernel (see kernels.attention.quant_attention for the

@@ -1,16 +1,19 @@
 """The kernel layer's quantized matmul: `qmm` picks the Metal, CUDA or CPU kernel, or the pure-mx
-reference, by the default device and what is available, and takes a wide path for prefill.
+reference, by the default device and what is available (without a kernel for them, a wide path for prefill).
 
     y = qmm(x, w, scales, biases, group_size, bits)
       == mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 Skinny products (at most QMM_MAX_ROWS rows: decode, verify widths, block drafts) run on a kernel that
 reads each weight group once for all rows (MLX's CPU quantized matmul is a plain loop: a 16-row product
-costs 16x a 1-row one). On the CPU the kernel also takes products of up to CPU_QMM_MAX_ROWS rows (short
-prompts' prefill), where it was measured faster than dequantizing the weight for BLAS. Wider products
-(prefill) never fall back to MLX's loop: on the CPU the weight is dequantized once (in tiles of
-WIDE_TILE_ROWS rows, bounding the float32 temporary) and multiplied by BLAS, so keeping weights quantized
-costs no prefill speed; on a GPU MLX's own quantized matmul runs.
+costs 16x a 1-row one). On the CPU the kernel takes products of every row count (prefill too: in passes
+of rows that stay in L2, each weight row dequantized once per pass into an L1 scratch), measured faster
+than dequantizing the weight for BLAS at every size tried (the default model's products at 193-2048 rows:
+0.50-0.78x the time of OpenBLAS 0.3.21's, whose Debian build runs its Haswell kernels on Zen 4; prefill of
+400 tokens 1.42x as fast, of 2000 tokens 1.08x). Without the CPU kernel, wider products
+(prefill) never fall back to MLX's loop either: on the CPU the weight is dequantized once (in tiles of
+WIDE_TILE_ROWS rows, bounding the float32 temporary) and multiplied by BLAS; on a GPU MLX's own quantized
+matmul runs.
 """
 
 import math
@@ -23,12 +26,8 @@ from .gpu_qmm import QMM_MAX_ROWS, cuda_available, cuda_qmm, metal_available, me
 
 #: Weight rows dequantized at a time by the CPU wide path (8192 x K float32: 19 MB at K = 576).
 WIDE_TILE_ROWS = 8192
-#: Most rows of a product the CPU kernel takes (more go to the wide path). The default model's 210 layer
-#: products on the Zen 4 VM of docs/benchmarks.md, kernel against wide path in one process, interleaved:
-#: 0.33x the time at 17 rows, 0.52x at 46, 0.74x at 128, 0.94x at 192, 1.00x at 256, 1.06x at 512.
-CPU_QMM_MAX_ROWS = 192
 
-__all__ = ["CPU_QMM_MAX_ROWS", "QMM_MAX_ROWS", "WIDE_TILE_ROWS", "gpu_operands", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
+__all__ = ["QMM_MAX_ROWS", "WIDE_TILE_ROWS", "gpu_operands", "qmm", "qmm_backend", "reference_qmm", "result_dtype", "wide_qmm"]
 
 
 def qmm_backend() -> str:
@@ -83,23 +82,19 @@ def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group
              bits: int) -> mx.array:
     """The prefill path: x [M, K] (any M) -> y [M, N] in promote_types(x, scales), accumulated in float32.
 
-    On the CPU the weight is dequantized to float32 once per call, WIDE_TILE_ROWS rows at a time (by the
-    CPU kernels when available, else by mx.dequantize), and multiplied by the float matmul (BLAS); on a
-    GPU MLX's quantized matmul runs.
+    On the CPU (without the CPU kernels, which take every row count) the weight is dequantized to float32
+    once per call, WIDE_TILE_ROWS rows at a time, and multiplied by the float matmul (BLAS); on a GPU MLX's
+    quantized matmul runs.
     """
     out_dtype = result_dtype(x.dtype, scales.dtype)
     if mx.default_device() == mx.gpu:
         return reference_qmm(x, w, scales, biases, group_size, bits)
     xf = x.astype(mx.float32)  # [M, K]
-    use_kernel = cpu.available()
     tiles = []
     for n0 in range(0, w.shape[0], WIDE_TILE_ROWS):
         rows = slice(n0, n0 + WIDE_TILE_ROWS)
-        if use_kernel:
-            wf = cpu.cpu_dequantize(w[rows], scales[rows], biases[rows], group_size, bits)  # [T, K]
-        else:
-            wf = mx.dequantize(w[rows], scales[rows].astype(mx.float32), biases[rows].astype(mx.float32),
-                               group_size=group_size, bits=bits)
+        wf = mx.dequantize(w[rows], scales[rows].astype(mx.float32), biases[rows].astype(mx.float32),
+                           group_size=group_size, bits=bits)  # [T, K]
         tiles.append(xf @ wf.T)  # [M, T]
     y = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=1)  # [M, N]
     return y.astype(out_dtype)
@@ -120,10 +115,9 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
 
     Returns:
         y [..., N] in promote_types(x.dtype, scales.dtype), as mx.quantized_matmul(..., transpose=True)
-        up to float32 rounding: M <= QMM_MAX_ROWS runs the skinny kernel of qmm_backend() (on the CPU
-        kernel: M <= CPU_QMM_MAX_ROWS), more rows the wide path (wide_qmm). Products whose x the CPU
-        kernel rounds to int8 (bits in cpu.int8_bits()) run on the kernel at every row count, so a row's
-        result never depends on how many rows the call has.
+        up to float32 rounding: on the CPU kernel every row count (a row's result never depends on how
+        many rows the call has); elsewhere M <= QMM_MAX_ROWS on the GPU kernel available, more rows the
+        wide path (wide_qmm).
 
     Raises:
         ValueError (MlxInferError from the GPU kernels): shapes, dtypes, bits or group size the kernels
@@ -131,8 +125,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     """
     shape = x.shape
     rows = math.prod(shape[:-1])
-    kernel = (rows > 0 and mx.default_device() == mx.cpu and cpu.available()
-              and (rows <= CPU_QMM_MAX_ROWS or bits in cpu.int8_bits()))
+    kernel = rows > 0 and mx.default_device() == mx.cpu and cpu.available()
     if residual is not None:
         if (kernel and residual.dtype == mx.float32 and result_dtype(x.dtype, scales.dtype) == mx.float32
                 and residual.shape == (*shape[:-1], w.shape[0])):

@@ -18,7 +18,7 @@ from qmm_helpers import int8_bound, int8_oracle, magnitude, ops_in_graph, oracle
 
 from mlx_infer.blas import cpu_flags
 from mlx_infer.kernels import cpu
-from mlx_infer.kernels.qmm import CPU_QMM_MAX_ROWS, qmm
+from mlx_infer.kernels.qmm import qmm
 
 FLOAT32_TOL = 1e-5
 EPS = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
@@ -140,21 +140,11 @@ def test_leading_axes_are_rows(cpu_kernels):
 
 
 def test_sliced_weight_rows(cpu_kernels):
-    """A lazy slice of the weight rows (what the wide path's tiles pass) is made contiguous first."""
+    """A lazy slice of the weight rows (a fused layer's view, an RMM layer's rows) is made contiguous first."""
     w, scales, biases = quantized(100, 128, 64, 8, mx.float32, seed=5)
     x = mx.random.normal((4, 128), key=mx.random.key(6))
     y = cpu_kernels.cpu_qmm(x, w[10:50], scales[10:50], biases[10:50], 64, 8)
     assert_close(y, x, w[10:50], scales[10:50], biases[10:50], 64, 8)
-
-
-def test_dequantize_is_exact(cpu_kernels):
-    for bits, group_size in ((4, 32), (8, 128)):
-        w, scales, biases = quantized(33, 256, group_size, bits, mx.float16, seed=bits)
-        wf = cpu_kernels.cpu_dequantize(w, scales, biases, group_size, bits)
-        ref = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
-                            bits=bits)
-        # one fma against mx's multiply-then-add: at most one float32 rounding apart
-        np.testing.assert_allclose(np.array(wf), np.array(ref), rtol=2**-23, atol=1e-7)
 
 
 def test_bad_operands_are_refused(cpu_kernels):
@@ -184,14 +174,14 @@ def test_instruction_set_and_threads(cpu_kernels):
 
 #: Run in a fresh process with MLX_INFER_KERNEL_ISA set (the variant is chosen once per process): every
 #: bits / group size / dtype and rows 1..16 against the float32 oracle, with the bound of assert_close;
-#: then each row of 1..16-row products bit-identical to the row alone (on the int8 variants also a product wider
-#: than CPU_QMM_MAX_ROWS through qmm).
+#: then each row of 1..16-row products, and of a 300-row product through qmm (a prefill's, in passes), bit-identical
+#: to the row alone.
 VARIANT_CHECK = textwrap.dedent("""
     import sys
     import mlx_infer
     import mlx.core as mx
     from mlx_infer.kernels import cpu
-    from mlx_infer.kernels.qmm import CPU_QMM_MAX_ROWS, qmm
+    from mlx_infer.kernels.qmm import qmm
     sys.path.insert(0, sys.argv[1])
     from qmm_helpers import int8_bound, magnitude, oracle, quantized, run_in_variant
     assert cpu.isa() == sys.argv[2], cpu.isa()
@@ -216,11 +206,10 @@ VARIANT_CHECK = textwrap.dedent("""
     alone = mx.concatenate([cpu.cpu_qmm(x[i:i + 1], w, s, b, 32, 4) for i in range(16)])
     for m in range(1, 17):
         assert mx.array_equal(cpu.cpu_qmm(x[:m], w, s, b, 32, 4), alone[:m]).item(), m
-    if 4 in cpu.int8_bits():  # qmm sends every row count to the int8 kernel: a prefill's rows equal decoding's
-        x = mx.random.normal((CPU_QMM_MAX_ROWS + 8, 576), key=mx.random.key(7))
-        wide = qmm(x, w, s, b, 32, 4)
-        for i in (0, 100, CPU_QMM_MAX_ROWS + 7):
-            assert mx.array_equal(wide[i:i + 1], qmm(x[i:i + 1], w, s, b, 32, 4)).item(), i
+    x = mx.random.normal((300, 576), key=mx.random.key(7))  # qmm sends every row count to the kernel
+    wide = qmm(x, w, s, b, 32, 4)
+    for i in (0, 100, 299):  # a prefill's rows equal decoding's
+        assert mx.array_equal(wide[i:i + 1], qmm(x[i:i + 1], w, s, b, 32, 4)).item(), i
 """)
 
 
@@ -260,8 +249,8 @@ def test_other_instruction_sets(cpu_kernels, variant, tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 40, 300])
 def test_residual_is_added_in_the_product(cpu_kernels, rows):
-    """qmm(..., residual=r) equals r + qmm(...) bit for bit (one operation on the kernel's rows, the wide
-    path's add beyond them), and a residual of the wrong shape or dtype is refused."""
+    """qmm(..., residual=r) equals r + qmm(...) bit for bit, as one operation at every row count, and a
+    residual of the wrong shape or dtype is refused."""
     w, scales, biases = quantized(160, 96, 32, 4, dtype=mx.float16)
     x = mx.random.normal((1, rows, 96), key=mx.random.key(2))
     r = mx.random.normal((1, rows, 160), key=mx.random.key(3))
@@ -270,8 +259,7 @@ def test_residual_is_added_in_the_product(cpu_kernels, rows):
     for res in (r, strided):
         got = qmm(x, w, scales, biases, 32, 4, residual=res)
         assert mx.array_equal(got, res + qmm(x, w, scales, biases, 32, 4)).item()
-    if rows <= CPU_QMM_MAX_ROWS:
-        assert ops_in_graph(qmm(x, w, scales, biases, 32, 4, residual=r)) == ["MlxInferQmm"]
+    assert ops_in_graph(qmm(x, w, scales, biases, 32, 4, residual=r)) == ["MlxInferQmm"]
     with pytest.raises(ValueError, match="residual"):
         cpu.cpu_qmm(x, w, scales, biases, 32, 4, r[..., :80])
     with pytest.raises(ValueError, match="residual .* float16"):

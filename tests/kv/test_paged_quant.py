@@ -155,10 +155,11 @@ def test_batched_on_quantized_blocks_equals_each_alone(engine, monkeypatch):
     """N requests with different prompts and lengths decoding together on 8-bit blocks (the quantized
     paged-attention kernel) give the greedy tokens each gives alone on the same paged quantized cache.
 
-    The prompts are raw text of at most 4 tokens, so the batch's prefill (4 rows of at most 4) runs on the
-    quantized matmul kernel, which computes each row alone. A longer prefill runs the wide path (a BLAS
-    product), whose rounding of a row depends on how many rows the product has: a difference in the last
-    bits that 8-bit KV can turn into another token where two are nearly tied."""
+    The prompts are raw text of at most 4 tokens, so the batch's prefill (4 rows of at most 4) attends on
+    the decode kernels, which compute each row alone (as the quantized matmul kernel does at every row
+    count). A prefill chunk of PREFILL_MIN_QUERIES positions or more runs the tiled prefill attention,
+    whose rounding of a row depends on the chunk: a difference in the last bits that 8-bit KV can turn into
+    another token where two are nearly tied."""
     prompts = [engine.encode(p, chat_template=False) for p in SHORT_PROMPTS]
     assert sum(max(map(len, prompts)) for _ in prompts) <= QMM_MAX_ROWS
     calls = []
