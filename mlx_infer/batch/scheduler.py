@@ -32,6 +32,7 @@ import mlx.nn as nn
 
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_BATCH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
+from ..generation.compiled import CompiledBatchStep
 from ..kv.attention_hook import install as install_attention_hook
 from ..kv.batch import BatchStep
 from ..kv.errors import KVBudgetError
@@ -77,6 +78,7 @@ class BatchScheduler:
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
         self._fused = install_attention_hook(model) > 0  # batched steps may attend on the paged kernel (kv/batch.py)
         self._tap: Optional[QueryTap] = None  # the queries of a forward with evicting requests (made on first use)
+        self._compiled = CompiledBatchStep(model)  # one-token steps replayed as compiled graphs where they apply
 
     @property
     def busy(self) -> bool:
@@ -252,19 +254,24 @@ class BatchScheduler:
         at 1500 (`bench/kv_core.py --batched --contexts 100,1500 --batches 1`, commit 55348e8; through
         generate_batch 93.4 against 85.4 decode tok/s)."""
         if not tapped:
-            return self._run(reqs, chunks, inputs), {}
+            return self._run(reqs, chunks, inputs, compiled=True), {}
         if self._tap is None:
             self._tap = QueryTap(self.model)
-        with self._tap as tap:
-            logits = self._run(reqs, chunks, inputs)
+        with self._tap as tap:  # (the tap reads the queries as the model's Python computes them: not compiled)
+            logits = self._run(reqs, chunks, inputs, compiled=False)
             return logits, {b: tap.rows(b, len(c)) for b, (r, c) in enumerate(zip(reqs, chunks)) if r.kv is not None}
 
-    def _run(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array]) -> mx.array:
-        """The forward of `_forward`: logits [B, L, V]."""
+    def _run(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array],
+             compiled: bool) -> mx.array:
+        """The forward of `_forward`: logits [B, L, V]; with `compiled`, a step of one token per request
+        replays a compiled graph where CompiledBatchStep applies (generation/compiled.py)."""
         if len(reqs) == 1:
             return self.model(mx.array(chunks[0])[None] if inputs is None else inputs, cache=reqs[0].cache)
         step = BatchStep([r.sequence for r in reqs], [len(c) for c in chunks])
-        logits = self.model(step.inputs(chunks) if inputs is None else inputs, cache=step.caches())
+        tokens = step.inputs(chunks) if inputs is None else inputs  # [B, L]
+        if compiled and CompiledBatchStep.applies(self.model, step.pool, step):
+            return self._compiled(step, tokens)
+        logits = self.model(tokens, cache=step.caches())
         step.done()
         return logits
 

@@ -1,4 +1,5 @@
-"""Plain decoding: one token per target forward, through mlx-lm's generate_step."""
+"""Plain decoding: one token per target forward, through mlx-lm's generate_step (its one-token steps over
+mlx-lm's dense KVCache replayed as a compiled graph where generation/compiled.py applies)."""
 
 import threading
 from typing import Callable, Iterator, List, Optional
@@ -6,8 +7,10 @@ from typing import Callable, Iterator, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..defaults import PREFILL_STEP_SIZE
+from .compiled import CompiledDecode
 from .sampling import SamplingParams, build_logits_processors, build_sampler
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -58,9 +61,10 @@ def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams
         processors = [with_prefix(p, prefix) for p in processors]
     total = len(prompt_ids)
     report = (lambda done, _: progress(start + done, total)) if progress is not None else (lambda *_: None)
+    cache = make_prompt_cache(model) if cache is None else cache
     for token, _ in generate_step(
         mx.array(prompt_ids[start:]),
-        model,
+        CompiledDecode(model) if CompiledDecode.applies(model, cache) else model,
         max_tokens=max_tokens,
         sampler=build_sampler(params),
         logits_processors=processors,

@@ -17,7 +17,7 @@ import numpy as np
 
 from .paged_attention import paged_attention, paged_kernel_fits
 
-__all__ = ["buffer_operands", "dense_attention", "dense_fits"]
+__all__ = ["buffer_operands", "buffer_tables", "dense_attention", "dense_fits"]
 
 
 def dense_fits(queries: int, k_dim: int, v_dim: int) -> bool:
@@ -43,7 +43,7 @@ def _remember(kept: dict, key: tuple, value: tuple) -> tuple:
     return value
 
 
-def _tables(B: int, n_kv: int, capacity: int, start: int) -> tuple:
+def buffer_tables(B: int, n_kv: int, capacity: int, start: int = 0) -> tuple:
     """(index int32 [B, n_kv, capacity - start], k_pos int32 [B, capacity - start]) of a buffer whose tokens
     sit from slot `start` on: row (b * n_kv + h) * capacity + start + t and position t of every slot, built
     on the host once per buffer shape and start."""
@@ -66,7 +66,7 @@ def buffer_operands(B: int, n_kv: int, capacity: int, length: int, L: int, start
     key = (B, n_kv, capacity, length, L, start)
     found = _last_operands.get(key)
     if found is None:
-        index, k_pos = _tables(B, n_kv, capacity, start)
+        index, k_pos = buffer_tables(B, n_kv, capacity, start)
         found = (index, mx.array([length] * B, dtype=mx.int32),
                  mx.array([list(range(length - L, length))] * B, dtype=mx.int32), k_pos)
         _last_operands.clear()

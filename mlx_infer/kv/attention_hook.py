@@ -7,7 +7,8 @@ from mlx_lm.models.base. `install(model)` rebinds that name in the modules of th
 - another causal prefill chunk (at least PREFILL_MIN_QUERIES queries, on the CPU) to the tiled prefill
   attention of kernels/prefill_attention.py (where the products round x to int8, a chunk over mlx-lm's
   dense KVCache goes to the paged kernel as a decode step does, below: kernels/dense_attention.dense_fits);
-- a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool;
+- a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool, a compiled
+  decode step's (StepCache, generation/compiled.py) to it over the dense cache's buffer;
 - a decode or verify step over mlx-lm's dense KVCache to the paged kernel reading the cache's buffer in
   place (kernels/dense_attention.py);
 - everything else (other caches, masks or shapes the kernels do not take, attention sinks) to mlx-lm's own
@@ -29,6 +30,7 @@ from ..rmm.attention import active_products, pv_attention, reduce_queries
 from .batch import BatchLayerCache
 from .cache import PagedKVCache
 from .quant_cache import QuantKVCache
+from .step_cache import StepCache
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -42,7 +44,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
             queries = reduce_queries(queries, qk)
         if pv < 1.0 and sinks is None:
             return pv_attention(queries, keys, values, scale, mask, pv)
-    if isinstance(cache, (QuantKVCache, BatchLayerCache, PagedKVCache)) and sinks is None:
+    if isinstance(cache, (QuantKVCache, BatchLayerCache, PagedKVCache, StepCache)) and sinks is None:
         out = cache.fused_attention(queries, scale, mask)
         if out is not None:
             return out

@@ -94,7 +94,8 @@ class BatchStep:
         for b, (sl, p) in enumerate(zip(slots, positions)):
             index[b, :, :len(sl)] = heads[:, None] + sl[None]
             kpos[b, :len(p)] = p
-        self.index = mx.array(index.reshape(-1).astype(np.int32))  # [B * n_kv * S]
+        self._index = index  # [B, n_kv, S] pool rows, right-padded with 0
+        self._flat_index: Optional[mx.array] = None
         self.shape = (B, n_kv, L, S)
         self.fused = fused
         self._live = np.array([len(x) for x in slots], np.int32)  # [B] live tokens per request
@@ -103,6 +104,13 @@ class BatchStep:
         self.offset = mx.array((np.array(starts) - pads).astype(np.int32))  # [B] RoPE position of column 0
         self._masks: Dict[Optional[int], mx.array] = {}
         self._kernel_operands: Optional[Tuple[mx.array, mx.array, mx.array, mx.array]] = None
+
+    @property
+    def index(self) -> mx.array:
+        """int32 [B * n_kv * S]: the pool row of each request's live tokens, per head, right-padded with row 0."""
+        if self._flat_index is None:
+            self._flat_index = mx.array(self._index.reshape(-1).astype(np.int32))
+        return self._flat_index
 
     def inputs(self, tokens: Sequence[Sequence[int]]) -> mx.array:
         """The forward's input ids [B, L] uint32: request b's n_b tokens, left-padded with its first token."""
@@ -132,12 +140,22 @@ class BatchStep:
                 return True, window
         return False, None
 
-    def kernel_operands(self) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    def kernel_operands(self, width: Optional[int] = None) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         """The paged-attention kernel's view of the step, built once for all layers: (index int32
         [B, n_kv, S] pool rows, right-padded; lengths int32 [B] live tokens; q_pos int32 [B, L] and k_pos
-        int32 [B, S] original positions)."""
+        int32 [B, S] original positions). With `width` (>= S) the index and k_pos are padded to that many
+        keys (row 0, position -1; the kernel reads only the first lengths[b]), so that steps of different
+        lengths can share one compiled graph."""
+        B, n_kv, _, S = self.shape
+        if width is not None and width != S:
+            if width < S:
+                raise MlxInferError(f"kernel operands of {width} keys for a step of {S}")
+            index = np.zeros((B, n_kv, width), np.int32)
+            index[:, :, :S] = self._index
+            k_pos = np.full((B, width), -1, np.int32)
+            k_pos[:, :S] = self._kpos
+            return (mx.array(index), mx.array(self._live), mx.array(self._qpos.astype(np.int32)), mx.array(k_pos))
         if self._kernel_operands is None:
-            B, n_kv, _, S = self.shape
             self._kernel_operands = (self.index.reshape(B, n_kv, S), mx.array(self._live),
                                      mx.array(self._qpos.astype(np.int32)), mx.array(self._kpos.astype(np.int32)))
         return self._kernel_operands

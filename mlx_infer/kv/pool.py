@@ -193,6 +193,21 @@ class BlockPool:
         """Every array of the pool (all layers' planes), e.g. to evaluate after writes."""
         return [a for planes in self.planes if planes is not None for a in planes]
 
+    def rebind(self, arrays: Sequence[mx.array]) -> None:
+        """Take `arrays` (in the order of `arrays()`, the same shapes and dtypes: new versions of the planes,
+        such as a compiled step's writes gives them) as the pool's planes.
+
+        Raises:
+            MlxInferError: another number of arrays, or one of another shape or dtype.
+        """
+        current = self.arrays()
+        if len(arrays) != len(current) or any(a.shape != c.shape or a.dtype != c.dtype for a, c in zip(arrays, current)):
+            raise MlxInferError("BlockPool.rebind takes new versions of the planes arrays() gives, in order")
+        it = iter(arrays)
+        for layer, planes in enumerate(self.planes):
+            if planes is not None:
+                self.planes[layer] = [next(it) for _ in planes]
+
     def layer_kv(self, layer: int) -> Tuple[Union[mx.array, Packed], Union[mx.array, Packed]]:
         """(keys, values) of layer `layer`: float blocks [n_kv * rows, k_dim] and [n_kv * rows, v_dim];
         quantized ones a Packed (codes, scales, biases) each, with the same rows. Row = head * rows + slot.

@@ -1,0 +1,165 @@
+"""One-token decode steps as compiled graphs, traced once per shape and replayed: plain decoding's over
+mlx-lm's dense KVCache, and a batched step's over the block pool.
+
+    model_fn = CompiledDecode(model) if CompiledDecode.applies(model, cache) else model
+    logits = model_fn(tokens, cache=cache)          # tokens [1, L] -> [1, L, V]; mlx-lm's KVCache list
+
+    batched = CompiledBatchStep(model)              # where CompiledBatchStep.applies(model, pool)
+    logits = batched(step, tokens)                  # a BatchStep of one new token per request, [B, 1] -> [B, 1, V]
+
+On MLX's CPU backend every operation of a step is built by Python (the model's modules, a few microseconds
+each), and `mx.async_eval` returns only once all but about ten of a graph's operations have run, so the
+next step's graph is built while the machine has next to nothing left to run: building is on the critical
+path (the default model: ~1.5 ms of a ~6 ms step for one request, ~2.8 ms of ~14 ms for 8 batched ones,
+Zen 5 VM). `mx.compile` traces the forward once and then replays its recorded graph from C++: the same
+operations on the same inputs (bit-identical logits) without the Python (~0.5 ms to replay one request's).
+
+A traced graph cannot depend on Python values that change every step, so positions come as arrays
+(kv/step_cache.StepCache): RoPE rotates at an int32 `offset`, the new K/V rows go in at array positions
+(in a KVCache buffer [1, n_kv, capacity, D] with `mx.slice_update`, into the pool's planes with
+`write_rows`; the old storage is donated, so the rows are written in place), and attention reads the
+storage through the paged-attention kernel, which stops at each request's length. Shapes then stay the same
+until a KVCache buffer grows (every 256 tokens, its `step`), or a batch's number of requests, its longest
+request's length rounded up to BATCH_KEYS_BUCKET tokens, or the pool's size changes: mx.compile then
+traces again (and keeps each trace for its shapes).
+
+They run where all of that holds: every layer's attention an mlx-lm llama / qwen2 attention on the kernel
+twins (kernels/rope.KernelRoPEAttention) calling the attention hook, no sliding-window layers, the
+paged-attention kernel present (MLX's CPU device with the CPU kernels), no RMM products scope open; for
+plain decoding one token over mlx-lm's KVCache on every layer, for a batched step float blocks and no
+eviction in the batch. Anything else runs the model as it is.
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from ..kernels.dense_attention import buffer_tables, dense_fits
+from ..kernels.paged_attention import paged_attention_backend
+from ..kernels.rope import KernelRoPEAttention
+from ..kv import attention_hook
+from ..kv.batch import BatchStep, fused_attention_applies
+from ..kv.pool import BlockPool
+from ..kv.step_cache import StepCache
+from ..rmm.attention import active_products
+
+__all__ = ["BATCH_KEYS_BUCKET", "CompiledBatchStep", "CompiledDecode", "compiles"]
+
+#: A batched step's key axis is padded up to a multiple of this many tokens, so that one trace serves that
+#: many steps (a trace costs about as much as building a step's graph ten times over).
+BATCH_KEYS_BUCKET = 64
+
+
+def compiles(model: nn.Module) -> bool:
+    """Whether `model`'s one-token steps can run as a compiled graph (see the module docstring): every layer's
+    attention a KernelRoPEAttention whose module calls the attention hook, none on a sliding window, and the
+    paged-attention kernel here."""
+    if paged_attention_backend() == "reference":
+        return False
+    return all(type(getattr(layer, "self_attn", None)) is KernelRoPEAttention
+               and layer.self_attn.home.scaled_dot_product_attention is attention_hook.attention
+               and not getattr(layer, "use_sliding", False)
+               for layer in model.layers)
+
+
+def _step(model: nn.Module, tokens: mx.array, offset: mx.array, operands: tuple, storage: tuple,
+          rows: Optional[mx.array] = None) -> tuple:
+    """The traced forward: tokens [B, 1] over each layer's (keys, values) in `storage` (StepCache's
+    arguments) -> (logits [B, 1, V], the layers' new keys and values in the same order)."""
+    caches = [StepCache(storage[i], storage[i + 1], offset, operands, rows) for i in range(0, len(storage), 2)]
+    logits = model(tokens, cache=caches)
+    return (logits,) + tuple(a for c in caches for a in (c.keys, c.values))
+
+
+class CompiledDecode:
+    """`model` whose one-token steps over mlx-lm's KVCache run as a compiled graph (see the module docstring).
+    Called as the model: (inputs [1, L] int, cache=list of per-layer caches, input_embeddings=None) ->
+    logits [1, L, V]; a step it cannot replay runs `model` itself. One per request: the trace keeps the
+    model's weights as they were when it was made.
+
+    Args:
+        model: an mlx-lm model that `applies` accepts.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._step = mx.compile(self._forward)
+
+    @staticmethod
+    def applies(model: nn.Module, cache: List) -> bool:
+        """Whether `model`'s decode steps over `cache` (its per-layer caches) can replay a compiled graph:
+        every cache an mlx-lm KVCache, and `compiles(model)`."""
+        return (len(model.layers) == len(cache) and all(type(c) is KVCache for c in cache)
+                and compiles(model))
+
+    def _forward(self, tokens: mx.array, offset: mx.array, *buffers: mx.array) -> tuple:
+        """tokens [1, 1], offset int32 [1], each layer's KVCache buffers (keys [1, n_kv, capacity, D],
+        values) -> (logits [1, 1, V], the new buffers in the same order)."""
+        _, n_kv, capacity, _ = buffers[0].shape
+        index, k_pos = buffer_tables(1, n_kv, capacity)  # constants of this capacity's trace
+        return _step(self.model, tokens, offset, (index, offset + 1, offset.reshape(1, 1), k_pos), buffers)
+
+    def _replays(self, inputs: mx.array, cache: List, input_embeddings) -> bool:
+        if input_embeddings is not None or inputs.shape != (1, 1) or active_products() is not None:
+            return False
+        first = cache[0]
+        if first.keys is None or not dense_fits(1, first.keys.shape[3], first.values.shape[3]):
+            return False
+        return all(c.keys is not None and c.offset == first.offset < c.keys.shape[2] for c in cache)
+
+    def __call__(self, inputs: mx.array, cache: Optional[List] = None, input_embeddings: Optional[mx.array] = None):
+        if cache is None or not self._replays(inputs, cache, input_embeddings):
+            if input_embeddings is not None:
+                return self.model(inputs, cache=cache, input_embeddings=input_embeddings)
+            return self.model(inputs, cache=cache)
+        buffers = [a for c in cache for a in (c.keys, c.values)]
+        out = self._step(inputs, mx.array([cache[0].offset], dtype=mx.int32), *buffers)
+        del buffers  # the caches' references go below: the old buffers are then donated to the writes
+        for i, c in enumerate(cache):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            c.offset += 1
+        return out[0]
+
+
+class CompiledBatchStep:
+    """A batched decode step (one new token per request) over the block pool as a compiled graph (see the
+    module docstring). One per model and scheduler: its traces keep the model's weights as they were.
+
+    Args:
+        model: an mlx-lm model that `compiles` accepts.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._step = mx.compile(self._forward)
+
+    @staticmethod
+    def applies(model: nn.Module, pool: BlockPool, step: BatchStep) -> bool:
+        """Whether `step` over `pool` can replay a compiled graph: one new token per request, float blocks
+        attended on the paged-attention kernel (fused_attention_applies), no RMM products scope open, and
+        `compiles(model)`, with a K and a V plane for each of its layers."""
+        return (step.shape[2] == 1 and pool.quant is None and step.fused and fused_attention_applies(pool, 1)
+                and active_products() is None and len(pool.arrays()) == 2 * len(model.layers) and compiles(model))
+
+    def _forward(self, tokens: mx.array, offset: mx.array, rows: mx.array, index: mx.array, lengths: mx.array,
+                 q_pos: mx.array, k_pos: mx.array, *planes: mx.array) -> tuple:
+        """tokens [B, 1], offset int32 [B], rows int32 [B * n_kv], the kernel operands (BatchStep.
+        kernel_operands), each layer's planes (BlockPool.arrays) -> (logits [B, 1, V], the new planes)."""
+        return _step(self.model, tokens, offset, (index, lengths, q_pos, k_pos), planes, rows)
+
+    def __call__(self, step: BatchStep, tokens: mx.array) -> mx.array:
+        """Run `step` (planned, its slots appended) for tokens [B, 1]: logits [B, 1, V]; the pool holds
+        the new K/V and every request's layers stand at its table's end (step.done())."""
+        pool = step.pool
+        width = -(-step.shape[3] // BATCH_KEYS_BUCKET) * BATCH_KEYS_BUCKET
+        planes = pool.arrays()
+        out = self._step(tokens, step.offset, step.write_rows, *step.kernel_operands(width), *planes)
+        del planes  # the pool's references go below: the old planes are then donated to the writes
+        pool.rebind(out[1:])
+        for s in step.sequences:
+            for layer in range(pool.num_layers):
+                s.advance(layer, 1)
+        step.done()
+        return out[0]
