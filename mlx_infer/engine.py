@@ -22,6 +22,7 @@ from .backend import backend_name, blas_in_use, return_free_memory
 from .batch import BatchRequest, BatchRunner, BatchScheduler
 from .defaults import IDLE_RELEASE_S, MAX_BATCH
 from .errors import MlxInferError
+from .generation.compiled import CompiledSteps
 from .generation.decode import plain_tokens
 from .generation.assemble import StepAssembler
 from .generation.detokenize import make_detokenizer
@@ -151,8 +152,15 @@ class Engine:
         self._batch_pool: Optional[PagedKV] = None  # batched decoding's pool when the engine's cache is dense
         self._quant: Optional[KVQuant] = None
         self._kv_layout: Optional[tuple] = None  # (n_kv, k_dim, v_dim, dtype) of the model's K/V, probed once
+        self._compiled: Optional[CompiledSteps] = None  # the model's compiled one-token steps (made on first use)
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
+
+    def compiled_steps(self) -> CompiledSteps:
+        """The model's compiled one-token steps (generation/compiled.py), kept across requests while its
+        modules stay the same, so that their traces serve every request."""
+        self._compiled = CompiledSteps(self.model) if self._compiled is None else self._compiled.current()
+        return self._compiled
 
     def configure_kv(self, kv_cache: str = "dense", kv_budget: Union[None, int, float, str] = None,
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
@@ -464,7 +472,8 @@ class Engine:
                 release(cache)
                 raise
         if tokens is None:  # plain decoding (asked for, or where speculation cannot pay)
-            tokens = plain_tokens(self.model, prompt_ids, params, max_tokens, cache, cached, progress)
+            tokens = plain_tokens(self.model, prompt_ids, params, max_tokens, cache, cached, progress,
+                                  compiled=self.compiled_steps().decode)
         first_at = None
         delivered: List[int] = []  # every token the source gave, EOS included (what the cache may hold)
         clean = False
@@ -592,7 +601,8 @@ class Engine:
             MlxInferError: max_batch < 1; UnsupportedModelError: a model whose layers are not all KV caches.
         """
         self._drop_kept()
-        return BatchScheduler(self.model, self._batch_kv(), max_batch, prefix_cache, solo=self._solo_tokens)
+        return BatchScheduler(self.model, self._batch_kv(), max_batch, prefix_cache, solo=self._solo_tokens,
+                              compiled=self.compiled_steps().batch)
 
     def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
                      idle_release_s: Optional[float] = IDLE_RELEASE_S) -> BatchRunner:

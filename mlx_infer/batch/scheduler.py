@@ -57,13 +57,16 @@ class BatchScheduler:
             (Engine: SpecState.tokens, lossless) or None (it decodes plainly). Used while it is the only
             running request and nobody waits; closed (its cache rolled back to the tokens delivered) when
             another request arrives, and the request goes on in the batch.
+        compiled: the model's CompiledBatchStep (generation/compiled.py; Engine.compiled_steps), whose traces
+            serve every scheduler of the model; None: one of its own.
 
     Raises:
         MlxInferError: max_batch < 1; KVBudgetError: a budget that holds no block.
     """
 
     def __init__(self, model: nn.Module, kv: PagedKV, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
-                 solo: Optional[Callable[[BatchRequest], Optional[Iterator[int]]]] = None):
+                 solo: Optional[Callable[[BatchRequest], Optional[Iterator[int]]]] = None,
+                 compiled: Optional[CompiledBatchStep] = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise MlxInferError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model, self.kv, self.max_batch, self.prefix_cache = model, kv, max_batch, prefix_cache
@@ -78,7 +81,8 @@ class BatchScheduler:
         release(kv.new_cache())  # UnsupportedModelError now for a model the paged cache cannot hold
         self._fused = install_attention_hook(model) > 0  # batched steps may attend on the paged kernel (kv/batch.py)
         self._tap: Optional[QueryTap] = None  # the queries of a forward with evicting requests (made on first use)
-        self._compiled = CompiledBatchStep(model)  # one-token steps replayed as compiled graphs where they apply
+        # one-token steps replayed as compiled graphs where they apply (the engine's, whose traces outlive us)
+        self._compiled = compiled if compiled is not None else CompiledBatchStep(model)
 
     @property
     def busy(self) -> bool:
@@ -269,7 +273,7 @@ class BatchScheduler:
             return self.model(mx.array(chunks[0])[None] if inputs is None else inputs, cache=reqs[0].cache)
         step = BatchStep([r.sequence for r in reqs], [len(c) for c in chunks])
         tokens = step.inputs(chunks) if inputs is None else inputs  # [B, L]
-        if compiled and CompiledBatchStep.applies(self.model, step.pool, step):
+        if compiled and self._compiled.ready(step):
             return self._compiled(step, tokens)
         logits = self.model(tokens, cache=step.caches())
         step.done()

@@ -1,11 +1,11 @@
 """One-token decode steps as compiled graphs, traced once per shape and replayed: plain decoding's over
 mlx-lm's dense KVCache, and a batched step's over the block pool.
 
-    model_fn = CompiledDecode(model) if CompiledDecode.applies(model, cache) else model
+    steps = CompiledSteps(model)                    # one per model (Engine.compiled_steps): traces are kept
+    model_fn = steps.decode if CompiledDecode.applies(model, cache) else model
     logits = model_fn(tokens, cache=cache)          # tokens [1, L] -> [1, L, V]; mlx-lm's KVCache list
-
-    batched = CompiledBatchStep(model)              # where CompiledBatchStep.applies(model, pool)
-    logits = batched(step, tokens)                  # a BatchStep of one new token per request, [B, 1] -> [B, 1, V]
+    if steps.batch.ready(step):                     # a BatchStep of one new token per request
+        logits = steps.batch(step, tokens)          # [B, 1] -> [B, 1, V]
 
 On MLX's CPU backend every operation of a step is built by Python (the model's modules, a few microseconds
 each), and `mx.async_eval` returns only once all but about ten of a graph's operations have run, so the
@@ -21,7 +21,10 @@ A traced graph cannot depend on Python values that change every step, so positio
 storage through the paged-attention kernel, which stops at each request's length. Shapes then stay the same
 until a KVCache buffer grows (every 256 tokens, its `step`), or a batch's number of requests, its longest
 request's length rounded up to BATCH_KEYS_BUCKET tokens, or the pool's size changes: mx.compile then
-traces again (and keeps each trace for its shapes).
+traces again (and keeps each trace for its shapes). A trace costs about what building 3-4 steps' graphs in
+Python does (6-8 ms for one request's step), so a batched shape is traced only once COMPILE_AFTER_STEPS steps
+have asked for it (requests that come and go may hold a batch's size for one step), and the traces live as
+long as the model's modules stay the same (CompiledSteps, kept by the Engine).
 
 They run where all of that holds: every layer's attention an mlx-lm llama / qwen2 attention on the kernel
 twins (kernels/rope.KernelRoPEAttention) calling the attention hook, no sliding-window layers, the
@@ -30,10 +33,11 @@ plain decoding one token over mlx-lm's KVCache on every layer, for a batched ste
 eviction in the batch. Anything else runs the model as it is.
 """
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.dense_attention import buffer_tables, dense_fits
@@ -45,11 +49,21 @@ from ..kv.pool import BlockPool
 from ..kv.step_cache import StepCache
 from ..rmm.attention import active_products
 
-__all__ = ["BATCH_KEYS_BUCKET", "CompiledBatchStep", "CompiledDecode", "compiles"]
+__all__ = ["BATCH_KEYS_BUCKET", "COMPILE_AFTER_STEPS", "CompiledBatchStep", "CompiledDecode", "CompiledSteps",
+           "compiles", "module_fingerprint"]
 
 #: A batched step's key axis is padded up to a multiple of this many tokens, so that one trace serves that
-#: many steps (a trace costs about as much as building a step's graph ten times over).
+#: many steps.
 BATCH_KEYS_BUCKET = 64
+#: Batched steps of one shape that run the model's Python before that shape is traced (a trace costs about
+#: 3-4 steps' graph building; a shape held for fewer steps would lose time).
+COMPILE_AFTER_STEPS = 4
+
+
+def module_fingerprint(model: nn.Module) -> Tuple[int, ...]:
+    """The identities of `model`'s leaf modules: another value once any of them was swapped for another
+    module (which a trace made before would not see)."""
+    return tuple(id(m) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
 def compiles(model: nn.Module) -> bool:
@@ -134,6 +148,20 @@ class CompiledBatchStep:
     def __init__(self, model: nn.Module):
         self.model = model
         self._step = mx.compile(self._forward)
+        self._asked: Dict[tuple, int] = {}  # steps that asked for each shape
+
+    def ready(self, step: BatchStep) -> bool:
+        """Whether to run `step` here: `applies`, and its shape (requests, key bucket, pool rows) asked for
+        by COMPILE_AFTER_STEPS steps so far (this one included)."""
+        if not self.applies(self.model, step.pool, step):
+            return False
+        key = (step.shape[0], self._width(step), step.pool.arrays()[0].shape)
+        self._asked[key] = asked = self._asked.get(key, 0) + 1
+        return asked >= COMPILE_AFTER_STEPS
+
+    @staticmethod
+    def _width(step: BatchStep) -> int:
+        return -(-step.shape[3] // BATCH_KEYS_BUCKET) * BATCH_KEYS_BUCKET
 
     @staticmethod
     def applies(model: nn.Module, pool: BlockPool, step: BatchStep) -> bool:
@@ -153,9 +181,8 @@ class CompiledBatchStep:
         """Run `step` (planned, its slots appended) for tokens [B, 1]: logits [B, 1, V]; the pool holds
         the new K/V and every request's layers stand at its table's end (step.done())."""
         pool = step.pool
-        width = -(-step.shape[3] // BATCH_KEYS_BUCKET) * BATCH_KEYS_BUCKET
         planes = pool.arrays()
-        out = self._step(tokens, step.offset, step.write_rows, *step.kernel_operands(width), *planes)
+        out = self._step(tokens, step.offset, step.write_rows, *step.kernel_operands(self._width(step)), *planes)
         del planes  # the pool's references go below: the old planes are then donated to the writes
         pool.rebind(out[1:])
         for s in step.sequences:
@@ -163,3 +190,21 @@ class CompiledBatchStep:
                 s.advance(layer, 1)
         step.done()
         return out[0]
+
+
+class CompiledSteps:
+    """The compiled steps of one model, kept while its modules stay the same (`current`): `decode`
+    (CompiledDecode) and `batch` (CompiledBatchStep), whose traces then serve every request.
+
+    Args:
+        model: an mlx-lm model.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._fingerprint = module_fingerprint(model)
+        self.decode, self.batch = CompiledDecode(model), CompiledBatchStep(model)
+
+    def current(self) -> "CompiledSteps":
+        """These steps, or new ones (no traces yet) when a module of the model was swapped since."""
+        return self if module_fingerprint(self.model) == self._fingerprint else CompiledSteps(self.model)

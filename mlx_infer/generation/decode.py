@@ -37,7 +37,8 @@ def with_prefix(processor: LogitsProcessor, prefix: mx.array) -> LogitsProcessor
 
 def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
                  cache: Optional[list] = None, start: int = 0,
-                 progress: Optional[Callable[[int, int], None]] = None) -> Iterator[int]:
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 compiled: Optional[CompiledDecode] = None) -> Iterator[int]:
     """Token ids of plain autoregressive decoding, as `mlx_lm.stream_generate` produces them.
 
     Args:
@@ -48,6 +49,8 @@ def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams
         cache: the model's per-layer caches (None: fresh ones); they hold prompt_ids[:start].
         start: prompt tokens already in the cache (0 <= start < len(prompt_ids)); only the rest is prefilled.
         progress: callable(done, total) during prefill, prompt tokens (the kept prefix counted as done).
+        compiled: the model's CompiledDecode (Engine.compiled_steps: its traces serve every request), run
+            where CompiledDecode.applies; None: a new one for this call.
 
     Yields:
         int token ids, the first after prefill. When the consumer stops after receiving k tokens, the
@@ -64,7 +67,7 @@ def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams
     cache = make_prompt_cache(model) if cache is None else cache
     for token, _ in generate_step(
         mx.array(prompt_ids[start:]),
-        CompiledDecode(model) if CompiledDecode.applies(model, cache) else model,
+        (compiled or CompiledDecode(model)) if CompiledDecode.applies(model, cache) else model,
         max_tokens=max_tokens,
         sampler=build_sampler(params),
         logits_processors=processors,

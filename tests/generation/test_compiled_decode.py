@@ -4,11 +4,12 @@ batched step's, the same logits as the model's batched forward across a key buck
 both replayed without running the model's Python."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_infer.generation import compiled
-from mlx_infer.generation.compiled import CompiledBatchStep, CompiledDecode
+from mlx_infer.generation.compiled import COMPILE_AFTER_STEPS, CompiledBatchStep, CompiledDecode
 from mlx_infer.kernels import cpu
 from mlx_infer.kv import make_paged_cache, make_pool
 from mlx_infer.kv.attention_hook import install as install_attention_hook
@@ -148,3 +149,39 @@ def test_batched_step_equals_the_model_and_replays(default_engine_native):
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a.shape == b.shape and mx.array_equal(a, b).item(), f"step {i}"
     assert counting.calls == 3
+
+
+def test_a_batched_shape_is_traced_after_a_few_steps(default_engine_native):
+    """CompiledBatchStep.ready: a shape (requests, key bucket, pool rows) runs the model's Python for its
+    first COMPILE_AFTER_STEPS - 1 steps, then the compiled graph; another number of requests starts over."""
+    model = default_engine_native.model
+    install_attention_hook(model)
+    pool = make_pool(model, block_size=16)
+    caches = [make_paged_cache(model, pool) for _ in range(3)]
+    for c in caches:
+        mx.eval(model(mx.array([[5, 6, 7]]), cache=c))
+    batched = CompiledBatchStep(model)
+
+    def asks(requests):
+        step = BatchStep([c[0].sequence for c in requests], [1] * len(requests))
+        ready = batched.ready(step)
+        mx.eval(model(step.inputs([[9]] * len(requests)), cache=step.caches()))
+        step.done()
+        return ready
+
+    assert [asks(caches) for _ in range(COMPILE_AFTER_STEPS + 1)] == [False] * (COMPILE_AFTER_STEPS - 1) + [True, True]
+    assert not asks(caches[:2])
+
+
+def test_engine_keeps_its_steps_until_a_module_is_swapped(tiny_engine):
+    """Engine.compiled_steps is one object across requests (its traces serve them all) and a new one once a
+    leaf module of the model was replaced (a trace would not see the new module)."""
+    steps = tiny_engine.compiled_steps()
+    assert tiny_engine.compiled_steps() is steps
+    layer = tiny_engine.model.layers[0]
+    norm = layer.input_layernorm
+    layer.input_layernorm = nn.RMSNorm(norm.weight.shape[0])
+    try:
+        assert tiny_engine.compiled_steps() is not steps
+    finally:
+        layer.input_layernorm = norm
