@@ -136,6 +136,8 @@ def collect() -> dict:
                              "write": move_rows_backend()},
         "layer_kernels": {"rms_norm": rms_norm_backend(), "rope": rope_backend(), "swiglu": swiglu_backend(),
                           "geglu": swiglu_backend()},
+        # one-token decode steps replayed as compiled graphs (generation/compiled.py; llama / qwen2 models)
+        "compiled_steps": paged_attention_backend() != "reference",
         "kernel_threads": cpu_kernels.num_threads() if cpu_kernels_run else None,
         "kernels_missing": cpu_kernels.why_not() if backend_name == "cpu" else None,
         "int8_activation_bits": list(cpu_kernels.int8_bits()) if cpu_kernels_run else [],
@@ -184,7 +186,9 @@ def render(info: dict) -> Table:
                                  f"attention / repacking / batched writes: {info['paged_kv_kernels']['attention']} / "
                                  f"{info['paged_kv_kernels']['repack']} / {info['paged_kv_kernels']['write']}; RMSNorm / RoPE / SwiGLU / GeGLU: "
                                  f"{info['layer_kernels']['rms_norm']} / {info['layer_kernels']['rope']} / "
-                                 f"{info['layer_kernels']['swiglu']} / {info['layer_kernels']['geglu']}")
+                                 f"{info['layer_kernels']['swiglu']} / {info['layer_kernels']['geglu']}; one-token "
+                                 f"decode steps (llama / qwen2 models): "
+                                 f"{'compiled graphs' if info['compiled_steps'] else 'built in Python'}")
     if info["int8_activation_bits"]:
         bits = " and ".join(f"{b}-bit" for b in info["int8_activation_bits"])
         table.add_row("int8 activations", f"on for {bits} weights ({ISA_ENV}): x rounded to int8 per 32 values, "

@@ -35,6 +35,8 @@ def test_doctor_json(run_cli, tmp_path):
                                             "write": info["attention_kernel"]}
         assert info["layer_kernels"] == {"rms_norm": info["attention_kernel"], "rope": info["attention_kernel"],
                                          "swiglu": info["attention_kernel"], "geglu": info["attention_kernel"]}
+        # one-token steps are compiled where the paged-attention kernel reads their KV storage
+        assert info["compiled_steps"] == (info["attention_kernel"] != "reference")
 
 
 def test_doctor_names_an_unknown_instruction_set(run_cli):
