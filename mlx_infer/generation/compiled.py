@@ -90,8 +90,8 @@ def _step(model: nn.Module, tokens: mx.array, offset: mx.array, operands: tuple,
 class CompiledDecode:
     """`model` whose one-token steps over mlx-lm's KVCache run as a compiled graph (see the module docstring).
     Called as the model: (inputs [1, L] int, cache=list of per-layer caches, input_embeddings=None) ->
-    logits [1, L, V]; a step it cannot replay runs `model` itself. One per request: the trace keeps the
-    model's weights as they were when it was made.
+    logits [1, L, V]; a step it cannot replay runs `model` itself. Its traces keep the model's modules and
+    weights as they were when made: keep one while they stay the same (CompiledSteps).
 
     Args:
         model: an mlx-lm model that `applies` accepts.
@@ -139,7 +139,8 @@ class CompiledDecode:
 
 class CompiledBatchStep:
     """A batched decode step (one new token per request) over the block pool as a compiled graph (see the
-    module docstring). One per model and scheduler: its traces keep the model's weights as they were.
+    module docstring). Its traces keep the model's modules and weights as they were when made: keep one while
+    they stay the same (CompiledSteps).
 
     Args:
         model: an mlx-lm model that `compiles` accepts.

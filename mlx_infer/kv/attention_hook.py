@@ -7,8 +7,8 @@ from mlx_lm.models.base. `install(model)` rebinds that name in the modules of th
 - another causal prefill chunk (at least PREFILL_MIN_QUERIES queries, on the CPU) to the tiled prefill
   attention of kernels/prefill_attention.py (where the products round x to int8, a chunk over mlx-lm's
   dense KVCache goes to the paged kernel as a decode step does, below: kernels/dense_attention.dense_fits);
-- a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool, a compiled
-  decode step's (StepCache, generation/compiled.py) to it over the dense cache's buffer;
+- a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool, and a
+  compiled one-token step's (StepCache, generation/compiled.py) to it over its KVCache buffer or pool planes;
 - a decode or verify step over mlx-lm's dense KVCache to the paged kernel reading the cache's buffer in
   place (kernels/dense_attention.py);
 - everything else (other caches, masks or shapes the kernels do not take, attention sinks) to mlx-lm's own
