@@ -10,6 +10,9 @@ to the last token, prefill included):
   mlx-lm BatchGenerator, kernels mlx_lm.batch_generate on the very model mlx-infer runs (its kernel layers):
                                  the same matmuls, so the difference is the batching machinery
 Greedy outputs of the batched run are checked against the one-after-another run (token ids).
+Every row of every concurrency runs once per trial, in turn (c=1's rows, then c=8's, ..., then again), so the
+machine's drift hits all alike; "vs 1 alone" divides medians, and the trial-by-trial line divides each
+trial's batched run by the lone request of the same trial.
 
 Usage: python bench/batch.py [--concurrency 1,2,4,8] [--max-tokens 64] [--trials 3] [--model PATH] [--skip ROWS]
 Prints a table and writes bench/results/batch-*.json and batch-*.png (tokens/s against concurrency).
@@ -100,21 +103,34 @@ def main():
     engine = mlx_infer.load(args.model)
     plain_model, plain_tok = mlx_lm_load(str(engine.source.mlx_dir))
     prompts = load_prompts()
-    rows, raw = [], {}
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    levels = [int(x) for x in args.concurrency.split(",")]
+    rs = {}
+    for c in levels:
         ids = [engine.encode(prompts[i % len(prompts)]) for i in range(c)]
-        rs = {k: v for k, v in runners(engine, plain_model, plain_tok, ids, args.max_tokens).items() if k not in skip}
-        for run in rs.values():  # warm-up
-            run()
-        results = interleaved(rs, args.trials)
-        same = all(r["ids"] == s["ids"] for r, s in zip(results["mlx-infer batched"], results["mlx-infer one after another"]))
-        for name, trials in results.items():
+        for name, run in runners(engine, plain_model, plain_tok, ids, args.max_tokens).items():
+            if name not in skip:
+                rs[(c, name)] = run
+    for run in rs.values():  # warm-up
+        run()
+    results = interleaved(rs, args.trials)  # every concurrency's rows in each trial, so drift hits all alike
+    rows, raw = [], {c: {} for c in levels}
+    for c in levels:
+        batched, alone = results[(c, "mlx-infer batched")], results[(c, "mlx-infer one after another")]
+        same = all(r["ids"] == s["ids"] for r, s in zip(batched, alone))
+        for (cc, name), trials in results.items():
+            if cc != c:
+                continue
             med = sorted(trials, key=lambda t: t["tps"])[len(trials) // 2]
             rows.append({"name": name, "concurrency": c, "tps": med["tps"], "wall_s": med["wall_s"],
                          "tokens": med["tokens"], "same_tokens_as_alone": same if name == "mlx-infer batched" else None})
-        raw[c] = {n: [{k: v for k, v in t.items() if k != "ids"} for t in ts] for n, ts in results.items()}
-
-    one = next(r["tps"] for r in rows if r["name"] == "mlx-infer one after another" and r["concurrency"] == min(r["concurrency"] for r in rows))
+            raw[c][name] = [{k: v for k, v in t.items() if k != "ids"} for t in trials]
+    # each trial's batched run against the lone request of the same trial (paired: the same minutes of this machine)
+    low = min(levels)
+    lone = [t["tps"] for t in results[(low, "mlx-infer one after another")]]
+    for r in rows:
+        if r["name"] == "mlx-infer batched":
+            r["vs_one_request_by_trial"] = [t["tps"] / o for t, o in zip(results[(r["concurrency"], r["name"])], lone)]
+    one = next(r["tps"] for r in rows if r["name"] == "mlx-infer one after another" and r["concurrency"] == low)
     info = machine()
     print(f"model: {engine.source.name}; kernels: {engine.source.kernels or 'MLX qmm'}; {args.max_tokens} new tokens "
           f"per request; median of {args.trials} interleaved trials")
@@ -128,6 +144,11 @@ def main():
         flag = "" if r["same_tokens_as_alone"] in (None, True) else "  (tokens differ from alone!)"
         print(f"{r['name']:<32}{r['concurrency']:>3}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tps']:>9.1f}"
               f"{r['vs_one_request']:>11.2f}x{r['vs_mlx_lm_batch']:>13.2f}x{flag}")
+    for r in rows:
+        if "vs_one_request_by_trial" in r and r["concurrency"] != low:
+            by = sorted(r["vs_one_request_by_trial"])
+            print(f"c={r['concurrency']} batched / c={low} alone, trial by trial: median {by[len(by) // 2]:.2f}x "
+                  f"(range {by[0]:.2f}-{by[-1]:.2f}x over {len(by)} trials)")
     path = write_result("batch", {"machine": info, "kernels": engine.source.kernels, "max_tokens": args.max_tokens,
                                   "trials": args.trials, "rows": rows, "raw": raw})
     png = plot(rows, path.with_suffix(".png"))

@@ -11,6 +11,8 @@ OpenBLAS picks its kernels from the CPU model it recognizes, and a build older t
 to its SSE3 kernels ("Prescott"): Debian 12's OpenBLAS 0.3.21 does so on Sapphire Rapids, 4-5x slower
 on a prefill-sized matmul than its AVX-512 kernels. So on x86-64 the kernel family is named from the
 CPU's feature flags (OPENBLAS_CORETYPE) before loading, unless the user already set OPENBLAS_CORETYPE.
+Its idle worker threads spin for about 0.1 s after each product by default; here they sleep after 2 **
+OPENBLAS_THREAD_TIMEOUT_LOG2 cycles (defaults.py), unless the user set OPENBLAS_THREAD_TIMEOUT.
 """
 
 import ctypes
@@ -19,6 +21,8 @@ import os
 import platform
 import sys
 from typing import Optional
+
+from .defaults import OPENBLAS_THREAD_TIMEOUT_LOG2
 
 #: Where Debian/Ubuntu (libopenblas0-pthread) and Fedora put OpenBLAS.
 OPENBLAS_CANDIDATES = (
@@ -82,18 +86,21 @@ def preload_optimized_blas() -> Optional[str]:
     path = find_openblas()
     if path is None:
         return None
-    core = None
+    settings = {}  # read once, as the library initializes; not left behind for other libraries or children
     if "OPENBLAS_CORETYPE" not in os.environ and platform.machine() in ("x86_64", "AMD64"):
         core = openblas_core_for(cpu_flags())
-    if core:  # read once, as the library initializes; not left behind for other libraries or children
-        os.environ["OPENBLAS_CORETYPE"] = core
+        if core:
+            settings["OPENBLAS_CORETYPE"] = core
+    if "OPENBLAS_THREAD_TIMEOUT" not in os.environ and "GOTO_THREAD_TIMEOUT" not in os.environ:
+        settings["OPENBLAS_THREAD_TIMEOUT"] = str(OPENBLAS_THREAD_TIMEOUT_LOG2)
+    os.environ.update(settings)
     try:
         handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError:
         return None
     finally:
-        if core:
-            del os.environ["OPENBLAS_CORETYPE"]
+        for name in settings:
+            del os.environ[name]
     global _blas_handle
     _loaded_blas, _blas_handle = path, handle
     return path

@@ -29,3 +29,9 @@ MAX_BATCH = 16
 #: Seconds a batch runner (the server) stays idle before it gives its KV memory back: the prefix cache is
 #: forgotten and the block pool shrinks to its initial size (Ollama keeps an idle model 5 minutes).
 IDLE_RELEASE_S = 300.0
+#: How long an idle OpenBLAS worker thread spins (sched_yield) waiting for the next product before it sleeps,
+#: as OpenBLAS's OPENBLAS_THREAD_TIMEOUT: 2 ** this many cycles (its least, 4; its own default, 28, is about
+#: 0.1 s). Set for the OpenBLAS that mlx_infer preloads unless the user set it (mlx_infer/blas.py). Its
+#: spinning worker otherwise shares the CPUs with the kernels' threads after every float product: measured
+#: on a 2-vCPU Zen 5 (docs/kernels.md), a 2,000-token prefill of the default model took 0.90x the time.
+OPENBLAS_THREAD_TIMEOUT_LOG2 = 4

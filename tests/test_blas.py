@@ -66,3 +66,45 @@ def test_float_matmul_is_right_on_the_chosen_kernels(m, k, n):
     for got in (mx.array(a) @ mx.array(w).T, mx.array(a) @ mx.array(np.ascontiguousarray(w.T))):
         err = np.abs(np.array(got) - want).max()
         assert err < 1e-5 * np.sqrt(k) * np.abs(want).max(), err
+
+
+SPIN_CODE = """
+import json, os, threading, time
+import mlx_infer
+import mlx.core as mx
+
+def helper_cpu_s():  # CPU seconds of every thread but this one (OpenBLAS's workers among them)
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != threading.get_native_id():
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+a = mx.random.normal((1024, 1024))
+mx.eval(a @ a)
+mx.eval(a @ a)  # OpenBLAS's workers took part: now they idle
+before = helper_cpu_s()
+time.sleep(0.3)
+print(json.dumps({"idle_cpu_s": helper_cpu_s() - before, "env": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}))
+"""
+
+
+def _idle_spin(env_extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", SPIN_CODE], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or backend.find_openblas() is None or (os.cpu_count() or 1) < 2,
+                    reason="needs Linux's /proc, a system OpenBLAS and 2 CPUs (a threaded OpenBLAS)")
+def test_idle_openblas_workers_sleep_soon():
+    """After a threaded product OpenBLAS's idle workers sleep within 2 ** OPENBLAS_THREAD_TIMEOUT_LOG2 cycles
+    (the helper threads use no CPU while the process sleeps 0.3 s), where OpenBLAS's own default (a user's
+    OPENBLAS_THREAD_TIMEOUT=28, which wins) spins them for about 0.1 s; the variable is not left behind."""
+    ours, theirs = _idle_spin({}), _idle_spin({"OPENBLAS_THREAD_TIMEOUT": "28"})
+    assert ours["env"] is None and theirs["env"] == "28"
+    assert theirs["idle_cpu_s"] >= 0.03, theirs
+    assert ours["idle_cpu_s"] <= 0.02, ours

@@ -169,7 +169,7 @@ class CompiledBatchStep:
         """Whether `step` over `pool` can replay a compiled graph: one new token per request, float blocks
         attended on the paged-attention kernel (fused_attention_applies), no RMM products scope open, and
         `compiles(model)`, with a K and a V plane for each of its layers."""
-        return (step.shape[2] == 1 and pool.quant is None and step.fused and fused_attention_applies(pool, 1)
+        return (step.shape[2] == 1 and pool.quant is None and step.fused and fused_attention_applies(pool)
                 and active_products() is None and len(pool.arrays()) == 2 * len(model.layers) and compiles(model))
 
     def _forward(self, tokens: mx.array, offset: mx.array, rows: mx.array, index: mx.array, lengths: mx.array,

@@ -16,19 +16,21 @@ blocks (each row packed in MLX's affine layout, groups along head_dim) the kerne
 into its L1 scratch as it reads them; the reference gathers the packed rows and dequantizes them.
 """
 
+import math
 from typing import Sequence
 
 import mlx.core as mx
 
 from . import cpu
 
-#: Most query positions per request (L: decode 1, verify widths) the kernel takes; longer forwards
-#: (prefill chunks) run the reference path.
+#: Most query positions per request (L: decode 1, verify widths) one kernel call takes; a longer forward
+#: runs in blocks of this many (in_query_blocks). A lone request's longer forwards (prefill chunks) take the
+#: tiled prefill attention instead (paged_kernel_fits), a batched forward's the kernel at every width.
 PAGED_MAX_QUERIES = 16
 #: The kernel's head dims (D and Dv) are multiples of this (its widest vector).
 PAGED_HEAD_DIM_MULTIPLE = 16
 
-__all__ = ["PAGED_MAX_QUERIES", "in_query_blocks", "packed_row_bits", "paged_attention", "paged_attention_backend",
+__all__ = ["PAGED_MAX_QUERIES", "in_query_blocks", "paged_kernel_runs", "packed_row_bits", "paged_attention", "paged_attention_backend",
            "paged_kernel_fits", "paged_quant_attention", "reference_paged_attention",
            "reference_paged_quant_attention", "visible_keys"]
 
@@ -39,12 +41,20 @@ def paged_attention_backend() -> str:
     return cpu.cpu_backend()
 
 
+def paged_kernel_runs(k_dim: int, v_dim: int) -> bool:
+    """Whether `paged_attention` / `paged_quant_attention` run the kernel here for head dims k_dim / v_dim (at
+    any number of query positions, in blocks of PAGED_MAX_QUERIES): multiples of PAGED_HEAD_DIM_MULTIPLE and
+    the CPU kernel available; else they run the reference."""
+    return (k_dim % PAGED_HEAD_DIM_MULTIPLE == 0 and v_dim % PAGED_HEAD_DIM_MULTIPLE == 0
+            and paged_attention_backend() != "reference")
+
+
 def paged_kernel_fits(queries: int, k_dim: int, v_dim: int) -> bool:
-    """Whether `paged_attention` runs the kernel for `queries` positions per request (L) and head dims
-    k_dim / v_dim here (else the reference): L <= PAGED_MAX_QUERIES, any L where the products round x to
-    int8 (cpu.int8_activations(): then a prefill chunk runs on the kernel too, in query blocks)."""
-    return ((queries <= PAGED_MAX_QUERIES or cpu.int8_activations()) and k_dim % PAGED_HEAD_DIM_MULTIPLE == 0
-            and v_dim % PAGED_HEAD_DIM_MULTIPLE == 0 and paged_attention_backend() != "reference")
+    """Whether a lone request's forward of `queries` positions (L) should attend on the kernel here
+    (paged_kernel_runs) rather than the tiled prefill attention: L <= PAGED_MAX_QUERIES (decode and verify
+    widths: each row then equals a one-token step's), or any L where the products round x to int8
+    (cpu.int8_activations(): then a prefill chunk's rows equal decode steps' too)."""
+    return (queries <= PAGED_MAX_QUERIES or cpu.int8_activations()) and paged_kernel_runs(k_dim, v_dim)
 
 
 def _check(q: mx.array, k_shape: tuple, v_shape: tuple, index: mx.array, lengths: mx.array,
@@ -64,6 +74,11 @@ def _check(q: mx.array, k_shape: tuple, v_shape: tuple, index: mx.array, lengths
             raise ValueError(f"paged_attention: {name} must be int32 {list(shape)}, got {a.dtype} {list(a.shape)}")
     if window < 0:
         raise ValueError(f"paged_attention: window must be >= 0 (0: none), got {window}")
+
+
+def _pool_rows(pool: mx.array) -> tuple:
+    """(rows, dim) of a float pool given with any leading dims ([rows, dim], [B, n_kv, capacity, dim])."""
+    return math.prod(pool.shape[:-1]), pool.shape[-1]
 
 
 def visible_keys(index: mx.array, lengths: mx.array, q_pos: mx.array, k_pos: mx.array, rows: int,
@@ -160,7 +175,8 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
                           lengths: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float, group_size: int,
                           window: int = 0) -> mx.array:
     """Attention of B requests' queries over their live tokens in a paged KV pool of quantized blocks, on
-    the best path here (the CPU kernel where paged_kernel_fits, else the reference).
+    the best path here (the CPU kernel where paged_kernel_runs, in blocks of PAGED_MAX_QUERIES positions; else
+    the reference).
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
@@ -178,7 +194,9 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
     """
     _check_packed(q, keys, values, group_size)
     dim, v_dim = keys[1].shape[1] * group_size, values[1].shape[1] * group_size
-    if q.ndim == 4 and paged_kernel_fits(q.shape[2], dim, v_dim):
+    if q.ndim == 4 and paged_kernel_runs(dim, v_dim):
+        if q.shape[2] > PAGED_MAX_QUERIES:  # (the blocks' calls would name a block's shapes)
+            _check(q, (keys[0].shape[0], dim), (values[0].shape[0], v_dim), index, lengths, q_pos, k_pos, window)
         return in_query_blocks(lambda qb, i: cpu.cpu_paged_quant_attention(
             qb, keys, values, index, lengths, q_pos[:, i:i + qb.shape[2]], k_pos, scale, group_size, window), q)
     _check(q, (keys[0].shape[0], dim), (values[0].shape[0], v_dim), index, lengths, q_pos, k_pos, window)
@@ -188,8 +206,8 @@ def paged_quant_attention(q: mx.array, keys: Sequence[mx.array], values: Sequenc
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.array, lengths: mx.array,
                     q_pos: mx.array, k_pos: mx.array, scale: float, window: int = 0) -> mx.array:
     """Attention of B requests' queries over their live tokens in a float paged KV pool, on the best path
-    here (the CPU kernel where paged_kernel_fits: L <= PAGED_MAX_QUERIES, or any L on the int8 path, and head
-    dims that are multiples of 16; else the reference).
+    here (the CPU kernel where paged_kernel_runs: head dims that are multiples of 16, in blocks of
+    PAGED_MAX_QUERIES positions, each row as a one-token step computes it; else the reference).
 
     Args:
         q: [B, n_q, L, D] float32 / float16 / bfloat16 queries (RoPE applied).
@@ -210,7 +228,9 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: mx.a
     Raises:
         ValueError: shapes or dtypes that do not agree, or window < 0.
     """
-    if q.ndim == 4 and v_pool.ndim >= 2 and paged_kernel_fits(q.shape[2], q.shape[3], v_pool.shape[-1]):
+    if q.ndim == 4 and v_pool.ndim >= 2 and paged_kernel_runs(q.shape[3], v_pool.shape[-1]):
+        if q.shape[2] > PAGED_MAX_QUERIES:  # (the blocks' calls would name a block's shapes)
+            _check(q, _pool_rows(k_pool), _pool_rows(v_pool), index, lengths, q_pos, k_pos, window)
         return in_query_blocks(lambda qb, i: cpu.cpu_paged_attention(
             qb, k_pool, v_pool, index, lengths, q_pos[:, i:i + qb.shape[2]], k_pos, scale, window), q)  # checks
     if k_pool.ndim > 2 and v_pool.ndim == k_pool.ndim and k_pool.shape[:-1] == v_pool.shape[:-1]:

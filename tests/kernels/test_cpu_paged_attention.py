@@ -113,20 +113,29 @@ def test_hidden_keys_and_blind_queries(cpu_kernels):
     assert_close(reference_paged_attention(*ops, 0.125, 0), want, mx.float32)
 
 
-def test_dispatch_runs_the_kernel_for_decode_rows(cpu_kernels):
-    """paged_attention takes the kernel up to PAGED_MAX_QUERIES positions and the reference beyond (a prefill
-    chunk): both agree with the oracle."""
+def test_dispatch_runs_the_kernel_at_every_width(cpu_kernels, monkeypatch):
+    """paged_attention takes the kernel at every width: one call up to PAGED_MAX_QUERIES positions, blocks of
+    that many beyond (a batched prefill chunk); both agree with the oracle, and each row of the wider forward
+    equals, bit for bit, the same query's row computed alone (a one-token step)."""
+    calls = []
+    real = cpu_kernels.cpu_paged_attention
+    monkeypatch.setattr(cpu_kernels, "cpu_paged_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
     for L in (PAGED_MAX_QUERIES, PAGED_MAX_QUERIES + 4):
         ops = case_operands((90, 300), 3, 3, L, 64, 64, mx.float32, seed=L)
-        np.testing.assert_allclose(np.array(paged_attention(*ops, 0.125, 24)), oracle(*ops, 0.125, 24),
-                                   rtol=1e-5, atol=1e-5)
+        got = paged_attention(*ops, 0.125, 24)
+        np.testing.assert_allclose(np.array(got), oracle(*ops, 0.125, 24), rtol=1e-5, atol=1e-5)
+    assert calls == [PAGED_MAX_QUERIES, PAGED_MAX_QUERIES, 4]
+    q, kp, vp, index, lengths, q_pos, k_pos = ops
+    for t in (0, PAGED_MAX_QUERIES - 1, PAGED_MAX_QUERIES + 3):
+        alone = paged_attention(q[:, :, t:t + 1], kp, vp, index, lengths, q_pos[:, t:t + 1], k_pos, 0.125, 24)
+        assert mx.array_equal(alone, got[:, :, t:t + 1]).item()
 
 
 @pytest.mark.parametrize("L", [1, PAGED_MAX_QUERIES + 4])
 def test_pools_with_leading_dims_are_their_rows(cpu_kernels, L):
     """Pools given as [2, 3, 2048, D] (a dense cache's buffer [B, n_kv, capacity, D]) are read as their
     12,288 rows: the kernel's result equals, bit for bit, the one over the same pools reshaped to [rows, D],
-    and the reference path past PAGED_MAX_QUERIES takes them too."""
+    past PAGED_MAX_QUERIES (in blocks) too."""
     q, kp, vp, *rest = case_operands((90, 300), 3, 2, L, 64, 32, mx.float32, seed=7)
     k4, v4 = kp.reshape(2, 3, 2048, 64), vp.reshape(2, 3, 2048, 32)
     got = paged_attention(q, k4, v4, *rest, 0.125, 0)
@@ -173,8 +182,9 @@ def test_kernel_refuses_bad_operands(cpu_kernels, edit, message):
     (dict(q=mx.zeros((2, 4, 20, 64)), q_pos=mx.zeros((2, 20), mx.int32), window=-1), "window must be >= 0"),
     (dict(q=mx.zeros((2, 3, 20, 64)), q_pos=mx.zeros((2, 20), mx.int32)), "n_q a multiple of n_kv"),
 ])
-def test_reference_path_refuses_bad_operands(cpu_kernels, edit, message):
-    """Past PAGED_MAX_QUERIES (the reference path) the dispatch checks the operands itself."""
+def test_blocked_dispatch_refuses_bad_operands(cpu_kernels, edit, message):
+    """Past PAGED_MAX_QUERIES (the kernel in blocks) the dispatch checks the whole forward's operands itself, so
+    the error names their shapes, not a block's."""
     ops = bad(edit)
     window = ops.pop("window")
     with pytest.raises(ValueError, match=message):

@@ -100,8 +100,9 @@ def test_hidden_keys_and_blind_queries(cpu_kernels):
     assert_close(reference_paged_quant_attention(*ops, 0.125, 64, 0), want)
 
 
-def test_dispatch_runs_the_kernel_for_decode_rows(cpu_kernels, monkeypatch):
-    """paged_quant_attention takes the kernel up to PAGED_MAX_QUERIES positions and the reference beyond."""
+def test_dispatch_runs_the_kernel_at_every_width(cpu_kernels, monkeypatch):
+    """paged_quant_attention takes the kernel at every width: one call up to PAGED_MAX_QUERIES positions, blocks
+    of that many beyond."""
     calls = []
     real = cpu_kernels.cpu_paged_quant_attention
     monkeypatch.setattr(cpu_kernels, "cpu_paged_quant_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
@@ -109,7 +110,7 @@ def test_dispatch_runs_the_kernel_for_decode_rows(cpu_kernels, monkeypatch):
         case = ((90, 300), 3, 3, L, 64, 64, 24, 8, 8, 64)
         ops = quantized_operands(case, seed=L)
         assert_close(paged_quant_attention(*ops, 0.125, 64, 24), oracle(case, ops, 0.125))
-    assert calls == [PAGED_MAX_QUERIES]
+    assert calls == [PAGED_MAX_QUERIES, PAGED_MAX_QUERIES, 4]
 
 
 def bad(**edit):
