@@ -4,15 +4,17 @@ sides alternated for --rounds rounds (this VM drifts by 10-30% between minutes; 
 Each process loads the default model (or --model) as users get it and measures, after a warm-up:
   decode    one request: greedy decode tokens/s after the first token (`Engine.stream_steps`, pipelined as
             `generate`), a whole prefill each time, median of --trials
-  batch     --concurrency requests (the first prompts of bench/prompts) through `Engine.generate_batch`,
-            greedy, from an empty cache (no prefix-cache hits): total tokens / wall seconds, every prompt's
-            prefill included, median of --trials
+  batch     --concurrency requests (the first prompts of bench/prompts; with --prompt-tokens N, windows of
+            N tokens of wikitext-2, bench/kv_core.py's wikitext_ids, one after another in the text) through
+            `Engine.generate_batch`, greedy, from an empty cache (no prefix-cache hits): total tokens / wall
+            seconds, every prompt's prefill included, median of --trials
 and the greedy tokens of both (the sides must agree).
 --against REF runs the same measurement on commit REF (a `git worktree` of it in a temporary folder, its
 CPU kernels built there in their own cache, $MLX_INFER_CACHE) in the other process of each round. Each side
 imports mlx_infer from its own tree ($PYTHONPATH), whatever is installed.
 
 Usage: python bench/throughput.py [--against REF] [--rounds 4] [--trials 3] [--max-tokens 64] [--concurrency 8]
+                                  [--prompt-tokens N]
 Prints a table (REF, this tree, the ratio of the medians over rounds and the per-round ratios) and writes
 bench/results/throughput-*.json.
 """
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 from common import PROMPTS, alternated, machine, machine_line, write_result  # noqa: E402
+from kv_core import wikitext_ids  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -40,11 +43,14 @@ def prompts(n: int) -> list:
     return out[:n]
 
 
-def measure(model, trials: int, max_tokens: int, concurrency: int) -> dict:
+def measure(model, trials: int, max_tokens: int, concurrency: int, prompt_tokens: int) -> dict:
     """This process's cells (see the module docstring)."""
     engine = mlx_infer.load(model)
     one = engine.encode(PROMPT)
-    many = [engine.encode(p) for p in prompts(concurrency)]
+    if prompt_tokens:
+        many = [wikitext_ids(engine.tokenizer, prompt_tokens, skip_chars=40 * prompt_tokens * i) for i in range(concurrency)]
+    else:
+        many = [engine.encode(p) for p in prompts(concurrency)]
 
     def decode():
         engine.reset()  # a whole prefill every time
@@ -78,12 +84,15 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3, help="timed runs of each cell per process (the median is kept)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8, help="requests of the batched cell")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="the batched cell's prompts: windows of this many wikitext-2 tokens (0: bench/prompts)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.model, args.trials, args.max_tokens, args.concurrency)))
+        print(json.dumps(measure(args.model, args.trials, args.max_tokens, args.concurrency, args.prompt_tokens)))
         return
-    child = ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens), "--concurrency", str(args.concurrency)]
+    child = ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens), "--concurrency", str(args.concurrency),
+             "--prompt-tokens", str(args.prompt_tokens)]
     runs = alternated(__file__, args.against, args.rounds, child + (["--model", args.model] if args.model else []))
     info = machine()
     names = list(runs)
@@ -92,7 +101,9 @@ def main() -> None:
           f"; medians of {args.rounds} processes per side, {args.trials} runs each, {args.max_tokens} tokens")
     table = []
     print(f"{'cell':<28}" + "".join(f"{n[:14]:>16}" for n in names) + ("      ratio  per round" if len(names) == 2 else ""))
-    for cell, label in (("decode_tps", "decode tok/s, 1 request"), ("batch_tps", f"tok/s, {args.concurrency} batched")):
+    prompts_of = f" x {args.prompt_tokens}" if args.prompt_tokens else ""
+    for cell, label in (("decode_tps", "decode tok/s, 1 request"),
+                        ("batch_tps", f"tok/s, {args.concurrency}{prompts_of} batched")):
         row = {"cell": cell, **{n: statistics.median(r[cell] for r in runs[n]) for n in names}}
         line = f"{label:<28}" + "".join(f"{row[n]:>16.1f}" for n in names)
         if len(names) == 2:

@@ -22,6 +22,7 @@ from mlx_infer.kv import batch as kv_batch
 from mlx_infer.kv import cache as kv_cache
 from mlx_infer.kv.attention_hook import install as install_attention_hook
 from mlx_infer.kv.batch import BatchStep
+from mlx_infer.kv.quant_options import kv_quant
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
            "Explain what a CPU does in one sentence.", "Say hi.", "Count from one to ten."]
@@ -104,6 +105,33 @@ def test_fused_attention_matches_the_gather(tiny_models, arch, kernel_calls):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
         L = len(chunks[0])
         assert [(c[0], c[2]) for c in kernel_calls[before:]] == [(3, L)] * layers
+
+
+@pytest.mark.parametrize("bits", [None, "8"])
+def test_batched_prefill_chunk_equals_one_token_steps(engine, kernel_calls, monkeypatch, bits):
+    """A batched forward of 20 new tokens per request (a prefill chunk: more than PAGED_MAX_QUERIES) over float
+    or 8-bit blocks attends on the paged kernel (in blocks of PAGED_MAX_QUERIES positions), and its last
+    logits equal, bit for bit, those of the same tokens fed as 20 one-token batched steps (each attention row
+    computed as a decode step computes it; the products' rows do not depend on their count)."""
+    model = engine.model
+    install_attention_hook(model)
+    quant_calls = []
+    real = kv_batch.paged_quant_attention
+    monkeypatch.setattr(kv_batch, "paged_quant_attention", lambda q, *a: quant_calls.append(q.shape[2]) or real(q, *a))
+    prompts, chunks = [list(range(100, 130)), list(range(300, 309))], [list(range(500, 520)), list(range(600, 620))]
+    assert min(map(len, chunks)) > PAGED_MAX_QUERIES
+    logits = {}
+    for one_by_one in (False, True):
+        pool = make_pool(model, kv_quant(bits) if bits else None, block_size=8)
+        caches = [make_paged_cache(model, pool) for _ in prompts]
+        for ids, c in zip(prompts, caches):
+            mx.eval(model(mx.array(ids)[None], cache=c))
+        parts = [[[c[i]] for c in chunks] for i in range(len(chunks[0]))] if one_by_one else [chunks]
+        for part in parts:
+            logits[one_by_one] = batched_forward(model, caches, part)
+    assert np.array_equal(logits[False], logits[True])
+    calls = quant_calls if bits else [c[2] for c in kernel_calls]
+    assert calls == [len(chunks[0])] * len(model.layers) + [1] * len(chunks[0]) * len(model.layers)
 
 
 def test_default_model_fused_greedy_equals_the_gather(engine, kernel_calls):

@@ -157,9 +157,9 @@ def test_batched_on_quantized_blocks_equals_each_alone(engine, monkeypatch):
 
     The prompts are raw text of at most 4 tokens, so the batch's prefill (4 rows of at most 4) attends on
     the decode kernels, which compute each row alone (as the quantized matmul kernel does at every row
-    count). A prefill chunk of PREFILL_MIN_QUERIES positions or more runs the tiled prefill attention,
-    whose rounding of a row depends on the chunk: a difference in the last bits that 8-bit KV can turn into
-    another token where two are nearly tied."""
+    count). A lone request's prefill chunk of PREFILL_MIN_QUERIES positions or more runs the tiled prefill
+    attention (a batch's runs the decode kernel in blocks), whose rounding of a row depends on the chunk: a
+    difference in the last bits that 8-bit KV can turn into another token where two are nearly tied."""
     prompts = [engine.encode(p, chat_template=False) for p in SHORT_PROMPTS]
     assert sum(max(map(len, prompts)) for _ in prompts) <= QMM_MAX_ROWS
     calls = []
