@@ -29,14 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import REPO, alternated, machine, machine_line, write_result  # noqa: E402
+from common import REPO, WIKITEXT, alternated, machine, machine_line, wikitext_text, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlx_infer.kernels.dense_attention import dense_attention  # noqa: E402
 from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
 
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # the default model's attention
 WIDTHS = (1, 9)
 PREFILL_CHUNK = 512
@@ -76,7 +75,7 @@ def model_cells(contexts, calls: int) -> dict:
     """context x width -> ms of the default model's forward over that many cached tokens."""
     engine = mlx_infer.load()
     model = engine.model
-    ids = engine.tokenizer.encode(WIKITEXT.read_text()[:12 * max(contexts)])
+    ids = engine.tokenizer.encode(wikitext_text()[:12 * max(contexts)])
     out = {}
     for ctx in contexts:
         cache = make_prompt_cache(model)

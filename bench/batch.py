@@ -7,7 +7,8 @@ to the last token, prefill included):
                                  batched forward per decode step (the CPU kernels for the quantized layers)
   mlx-infer one after another    the same c requests through Engine.generate, one at a time
   mlx-lm BatchGenerator          mlx_lm.batch_generate on mlx_lm.load's model (MLX's quantized matmul)
-  mlx-lm BatchGenerator, kernels mlx_lm.batch_generate on the very model mlx-infer runs (its kernel layers):
+  mlx-lm BatchGenerator on the kernels
+                                 mlx_lm.batch_generate on the very model mlx-infer runs (its kernel layers):
                                  the same matmuls, so the difference is the batching machinery
 Greedy outputs of the batched run are checked against the one-after-another run (token ids).
 Every row of every concurrency runs once per trial, in turn (c=1's rows, then c=8's, ..., then again), so the
@@ -27,9 +28,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import PROMPTS, interleaved, machine, machine_line, pyplot, write_result  # noqa: E402
+from common import (PROMPTS, interleaved, machine, machine_line, positive_int, positive_ints, pyplot,  # noqa: E402
+                    write_result)
 from mlx_lm import batch_generate, load as mlx_lm_load  # noqa: E402
 
+
+
+#: The rows, in the order each trial runs them; the first two are what the ratios need (they cannot be skipped).
+ROWS = ("mlx-infer batched", "mlx-infer one after another", "mlx-lm BatchGenerator", "mlx-lm BatchGenerator on the kernels")
+KERNELS_PEER = ROWS[3]
 
 
 def load_prompts():
@@ -67,7 +74,7 @@ def runners(engine, plain_model, plain_tok, ids, max_tokens):
         "mlx-infer batched": lambda: timed(lambda: [r.token_ids for r in engine.generate_batch(ids, max_tokens=max_tokens)]),
         "mlx-infer one after another": lambda: timed(sequential),
         "mlx-lm BatchGenerator": lambda: timed(mlx_lm_rows(plain_model, plain_tok)),
-        "mlx-lm BatchGenerator, kernels": lambda: timed(mlx_lm_rows(engine.model, plain_tok)),
+        KERNELS_PEER: lambda: timed(mlx_lm_rows(engine.model, plain_tok)),
     }
 
 
@@ -92,18 +99,22 @@ def plot(rows, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
-    ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--concurrency", type=positive_ints, default=[1, 2, 4, 8], help="comma-separated, e.g. 1,8")
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--trials", type=positive_int, default=3)
     ap.add_argument("--skip", default="", help="rows to leave out, comma-separated names (e.g. 'mlx-lm BatchGenerator', "
                                                "whose MLX quantized matmul is slow on a CPU)")
     args = ap.parse_args()
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    if skip - set(ROWS[2:]):
+        ap.error(f"--skip takes {ROWS[2]!r} and {ROWS[3]!r} (comma-separated), not {sorted(skip - set(ROWS[2:]))}")
+    if set(ROWS[2:]) <= skip:
+        ap.error("--skip: keep one of the BatchGenerator rows (the peer of the last column)")
 
     engine = mlx_infer.load(args.model)
     plain_model, plain_tok = mlx_lm_load(str(engine.source.mlx_dir))
     prompts = load_prompts()
-    levels = [int(x) for x in args.concurrency.split(",")]
+    levels = sorted(set(args.concurrency))
     rs = {}
     for c in levels:
         ids = [engine.encode(prompts[i % len(prompts)]) for i in range(c)]
@@ -135,19 +146,20 @@ def main():
     print(f"model: {engine.source.name}; kernels: {engine.source.kernels or 'MLX qmm'}; {args.max_tokens} new tokens "
           f"per request; median of {args.trials} interleaved trials")
     print(machine_line(info))
-    print(f"{'system':<32}{'c':>3}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'vs 1 alone':>12}{'vs mlx-lm BG':>14}")
-    peer = "mlx-lm BatchGenerator" if "mlx-lm BatchGenerator" not in skip else "mlx-lm BatchGenerator, kernels"
+    base = "vs 1 alone" if low == 1 else f"vs {low} in turn"  # (one request alone needs c=1 among the levels)
+    print(f"{'system':<38}{'c':>3}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{base:>14}{'vs mlx-lm BG':>14}")
+    peer = "mlx-lm BatchGenerator" if "mlx-lm BatchGenerator" not in skip else KERNELS_PEER
     print(f"(vs mlx-lm BG: against '{peer}')")
     for r in rows:
         bg = next(x["tps"] for x in rows if x["name"] == peer and x["concurrency"] == r["concurrency"])
         r["vs_one_request"], r["vs_mlx_lm_batch"] = r["tps"] / one, r["tps"] / bg
         flag = "" if r["same_tokens_as_alone"] in (None, True) else "  (tokens differ from alone!)"
-        print(f"{r['name']:<32}{r['concurrency']:>3}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tps']:>9.1f}"
-              f"{r['vs_one_request']:>11.2f}x{r['vs_mlx_lm_batch']:>13.2f}x{flag}")
+        print(f"{r['name']:<38}{r['concurrency']:>3}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tps']:>9.1f}"
+              f"{r['vs_one_request']:>13.2f}x{r['vs_mlx_lm_batch']:>13.2f}x{flag}")
     for r in rows:
         if "vs_one_request_by_trial" in r and r["concurrency"] != low:
             by = sorted(r["vs_one_request_by_trial"])
-            print(f"c={r['concurrency']} batched / c={low} alone, trial by trial: median {by[len(by) // 2]:.2f}x "
+            print(f"c={r['concurrency']} batched / c={low} {'alone' if low == 1 else 'one after another'}, trial by trial: median {by[len(by) // 2]:.2f}x "
                   f"(range {by[0]:.2f}-{by[-1]:.2f}x over {len(by)} trials)")
     path = write_result("batch", {"machine": info, "kernels": engine.source.kernels, "max_tokens": args.max_tokens,
                                   "trials": args.trials, "rows": rows, "raw": raw})

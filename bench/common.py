@@ -18,6 +18,46 @@ RESULTS_DIR = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 #: The benchmark prompt sets, one JSON object per line with its "prompt" (chat, code, math, copy).
 PROMPTS = Path(__file__).resolve().parent / "prompts"
+#: wikitext-2's test split, beside the repository (../shared/data): the long prompts and perplexity windows.
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
+
+
+def wikitext_text() -> str:
+    """The text of WIKITEXT.
+
+    Raises:
+        SystemExit: (one line) the file is not there."""
+    if not WIKITEXT.is_file():
+        raise SystemExit(f"bench: wikitext-2's test split not found at {WIKITEXT}: this benchmark reads it from "
+                         f"shared/data/wikitext-2/test.txt beside the repository")
+    return WIKITEXT.read_text(encoding="utf-8")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (else argparse's one-line usage error)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_ints(text: str) -> List[int]:
+    """argparse type: comma-separated integers >= 1, such as "1,2,4,8"."""
+    return [_int_at_least(t.strip(), 1) for t in text.split(",")]
+
+
+def _int_at_least(text: str, low: int) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is below {low}")
+    return value
 
 
 def machine() -> dict:
@@ -140,7 +180,7 @@ def code_sides(against: Optional[str]) -> Iterator[Dict[str, dict]]:
     tree ($PYTHONPATH), whatever is installed. {name: env}, REF first; the worktree is removed on exit.
 
     Raises:
-        subprocess.CalledProcessError: `against` is not a commit of this repository.
+        SystemExit: (one line) `against` is not a commit of this repository.
     """
     sides = {"this tree": dict(os.environ, PYTHONPATH=str(REPO))}
     if against is None:
@@ -148,8 +188,10 @@ def code_sides(against: Optional[str]) -> Iterator[Dict[str, dict]]:
         return
     with tempfile.TemporaryDirectory(prefix="mlx-infer-bench-") as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), against],
-                       check=True, capture_output=True)
+        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), against],
+                               capture_output=True, text=True)
+        if added.returncode:
+            raise SystemExit(f"bench: --against {against!r}: not a commit of this repository ({added.stderr.strip()})")
         (Path(tmp) / "shared").symlink_to(REPO.parent / "shared")  # for REF's code that reads ../shared
         try:
             yield {against: dict(os.environ, PYTHONPATH=str(tree), MLX_INFER_CACHE=str(Path(tmp) / "cache")), **sides}

@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROMPTS, interleaved, machine  # noqa: E402
+from common import PROMPTS, interleaved, machine, wikitext_text  # noqa: E402
 
 from mlx_infer.engine import Engine  # noqa: E402
 from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
@@ -52,14 +52,18 @@ from mlx_infer.kv.observe import AttentionObserver, QueryTap  # noqa: E402
 from mlx_infer.kv.policies import make_policy  # noqa: E402
 from mlx_infer.kv.repack import Repacker  # noqa: E402
 
-WIKITEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
 def wikitext_ids(tokenizer, n: int, skip_chars: int = 0):
-    text = WIKITEXT.read_text()[skip_chars:skip_chars + 40 * n]
+    """The first n token ids of wikitext-2's test split from character skip_chars on.
+
+    Raises:
+        SystemExit: (one line) the file is missing, or the text there gives fewer than n tokens."""
+    text = wikitext_text()[skip_chars:skip_chars + 40 * n]
     ids = tokenizer.encode(text)
     if len(ids) < n:
-        raise SystemExit(f"wikitext gave {len(ids)} tokens, {n} asked for")
+        raise SystemExit(f"bench: wikitext-2 from character {skip_chars} gave {len(ids)} tokens, {n} asked for "
+                         f"(fewer or shorter prompts)")
     return ids[:n]
 
 

@@ -48,12 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
-from common import interleaved, machine, machine_line, median, pyplot, time_tokens, write_result  # noqa: E402
+from common import interleaved, machine, machine_line, median, pyplot, time_tokens, wikitext_text, write_result  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-WIKITEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 DEFAULT_SETTINGS = "float,8,4,k8v4,kivi-4,mlx-lm-8,mlx-lm-4"
 #: llama.cpp KV types: (ggml type id in llama_cpp, bytes per value).
 LLAMA_TYPES = {"f16": ("GGML_TYPE_F16", 2.0), "q8_0": ("GGML_TYPE_Q8_0", 34 / 32), "q4_0": ("GGML_TYPE_Q4_0", 18 / 32)}
@@ -191,7 +190,7 @@ def main():
 
     engine = mlx_infer.load(args.model)
     settings = args.settings.split(",")
-    ids_all = list(engine.tokenizer.encode(WIKITEXT.read_text()[:45 * max(int(c) for c in args.contexts.split(","))]))
+    ids_all = list(engine.tokenizer.encode(wikitext_text()[:45 * max(int(c) for c in args.contexts.split(","))]))
     contexts = [min(int(c), engine.context_length - args.max_tokens - 1) for c in args.contexts.split(",")]
     if len(ids_all) < max(contexts):
         raise SystemExit(f"wikitext gave {len(ids_all)} tokens, {max(contexts)} asked for")

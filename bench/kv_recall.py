@@ -33,9 +33,8 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import machine, machine_line, write_result  # noqa: E402
+from common import machine, machine_line, wikitext_text, write_result  # noqa: E402
 
-WIKITEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
 #: (statement, question, answer prefix, answer): the prompt states `statement`; it ends with the question and
 #: the prefix, so a model that recalls the statement continues with `answer`.
@@ -138,7 +137,7 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     info = machine()
     print(machine_line(info), flush=True)
-    text = WIKITEXT.read_text()[:45 * max(lengths)]
+    text = wikitext_text()[:45 * max(lengths)]
     start = time.perf_counter()
     results, notes = [], []
     for model_name in args.models.split(","):

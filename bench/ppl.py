@@ -56,7 +56,7 @@ import mlx.nn as nn
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, machine_line, pyplot, write_result  # noqa: E402
+from common import WIKITEXT, machine, machine_line, pyplot, wikitext_text, write_result  # noqa: E402
 
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -67,7 +67,6 @@ from mlx_infer.kv.quant_cache import kv_bytes_per_token, make_quant_cache  # noq
 from mlx_infer.kv.quant_options import KVQuant, kv_quant  # noqa: E402
 from mlx_infer.kv.session import KVRequest, PagedKV, release  # noqa: E402
 
-WIKITEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
 def wikitext_windows(tokenizer, n_windows: int, length: int, path: Path = WIKITEXT) -> List[List[int]]:
@@ -77,7 +76,7 @@ def wikitext_windows(tokenizer, n_windows: int, length: int, path: Path = WIKITE
     Raises:
         SystemExit: the file holds fewer than n_windows * length tokens.
     """
-    ids = list(tokenizer.encode(path.read_text()))
+    ids = list(tokenizer.encode(wikitext_text() if path == WIKITEXT else path.read_text()))
     if n_windows * length > len(ids):
         raise SystemExit(f"wikitext-2 test has {len(ids)} tokens, {n_windows} windows of {length} asked for")
     stride = len(ids) // n_windows

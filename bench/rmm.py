@@ -79,10 +79,10 @@ import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.c
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from common import bootstrap_ratio, machine, machine_line, pyplot, time_tokens, write_result  # noqa: E402
+from common import bootstrap_ratio, machine, machine_line, pyplot, time_tokens, wikitext_text, write_result  # noqa: E402
 from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
-from ppl import WIKITEXT, mean_kl, ppl, wikitext_windows, window_nll  # noqa: E402
+from ppl import mean_kl, ppl, wikitext_windows, window_nll  # noqa: E402
 from spec import load_prompts  # noqa: E402
 
 from mlx_infer.engine import common_prefix  # noqa: E402
@@ -457,7 +457,7 @@ def speed_part(model: nn.Module, tokenizer, args, log) -> dict:
     prefill_settings = [s for s in args.prefill_settings.split(",") if s]
     models = {s: setting_model(model, s) for s in dict.fromkeys(["exact", *settings, *prefill_settings])}
     contexts = [int(c) for c in args.contexts.split(",")]
-    ids_all = list(tokenizer.encode(WIKITEXT.read_text()[:45 * max(contexts)]))
+    ids_all = list(tokenizer.encode(wikitext_text()[:45 * max(contexts)]))
     if len(ids_all) < max(contexts):
         raise SystemExit(f"wikitext gave {len(ids_all)} tokens, {max(contexts)} asked for")
     warm_ids = ids_all[:64]
@@ -586,7 +586,7 @@ def step_part(model: nn.Module, tokenizer, args, log) -> dict:
     log("kernel timings")
     settings = args.speed_settings.split(",")
     models = {s: setting_model(model, s) for s in settings}
-    ids = list(tokenizer.encode(WIKITEXT.read_text()[:45 * args.step_context]))[:args.step_context]
+    ids = list(tokenizer.encode(wikitext_text()[:45 * args.step_context]))[:args.step_context]
     _, cache = prefill_once(*models["exact"], ids)
     tok = mx.array([[ids[-1]]], mx.int32)
 

@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import PROMPTS, alternated, machine, machine_line, write_result  # noqa: E402
+from common import (PROMPTS, alternated, machine, machine_line, non_negative_int, positive_int,  # noqa: E402
+                    write_result)
 from kv_core import wikitext_ids  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -47,6 +48,9 @@ def measure(model, trials: int, max_tokens: int, concurrency: int, prompt_tokens
     """This process's cells (see the module docstring)."""
     engine = mlx_infer.load(model)
     one = engine.encode(PROMPT)
+    if prompt_tokens + max_tokens > engine.context_length:
+        raise SystemExit(f"bench/throughput.py: --prompt-tokens {prompt_tokens} + --max-tokens {max_tokens} exceed the "
+                         f"model's context window ({engine.context_length} tokens)")
     if prompt_tokens:
         many = [wikitext_ids(engine.tokenizer, prompt_tokens, skip_chars=40 * prompt_tokens * i) for i in range(concurrency)]
     else:
@@ -80,11 +84,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", default=None, help="a git commit (or ref) of this repository to compare with")
     ap.add_argument("--model", default=None, help="GGUF / MLX dir / repo id (default: the embedded default model)")
-    ap.add_argument("--rounds", type=int, default=4, help="processes per side, alternated")
-    ap.add_argument("--trials", type=int, default=3, help="timed runs of each cell per process (the median is kept)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=8, help="requests of the batched cell")
-    ap.add_argument("--prompt-tokens", type=int, default=0,
+    ap.add_argument("--rounds", type=positive_int, default=4, help="processes per side, alternated")
+    ap.add_argument("--trials", type=positive_int, default=3, help="timed runs of each cell per process (the median is kept)")
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--concurrency", type=positive_int, default=8, help="requests of the batched cell")
+    ap.add_argument("--prompt-tokens", type=non_negative_int, default=0,
                     help="the batched cell's prompts: windows of this many wikitext-2 tokens (0: bench/prompts)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,0 +1,27 @@
+"""The benchmark scripts refuse bad arguments with one line (argparse's usage error, or a SystemExit message)
+before measuring anything."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("batch.py", ["--concurrency", "1,0"], "argument --concurrency: 0 is below 1"),
+    ("batch.py", ["--concurrency", "x"], "argument --concurrency: 'x' is not an integer"),
+    ("batch.py", ["--trials", "0"], "argument --trials: 0 is below 1"),
+    ("batch.py", ["--skip", "mlx-infer batched"], "--skip takes 'mlx-lm BatchGenerator'"),
+    ("batch.py", ["--skip", "mlx-lm BatchGenerator,mlx-lm BatchGenerator on the kernels"], "keep one of the BatchGenerator rows"),
+    ("throughput.py", ["--prompt-tokens", "-5"], "argument --prompt-tokens: -5 is below 0"),
+    ("throughput.py", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
+    ("throughput.py", ["--against", "no-such-ref-here", "--rounds", "1"], "not a commit of this repository"),
+])
+def test_bad_arguments_get_one_line(script, args, message):
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
