@@ -159,7 +159,8 @@ def main():
     for r in rows:
         if "vs_one_request_by_trial" in r and r["concurrency"] != low:
             by = sorted(r["vs_one_request_by_trial"])
-            print(f"c={r['concurrency']} batched / c={low} {'alone' if low == 1 else 'one after another'}, trial by trial: median {by[len(by) // 2]:.2f}x "
+            against = "alone" if low == 1 else "one after another"
+            print(f"c={r['concurrency']} batched / c={low} {against}, trial by trial: median {by[len(by) // 2]:.2f}x "
                   f"(range {by[0]:.2f}-{by[-1]:.2f}x over {len(by)} trials)")
     path = write_result("batch", {"machine": info, "kernels": engine.source.kernels, "max_tokens": args.max_tokens,
                                   "trials": args.trials, "rows": rows, "raw": raw})

@@ -33,5 +33,5 @@ IDLE_RELEASE_S = 300.0
 #: as OpenBLAS's OPENBLAS_THREAD_TIMEOUT: 2 ** this many cycles (its least, 4; its own default, 28, is about
 #: 0.1 s). Set for the OpenBLAS that mlx_infer preloads unless the user set it (mlx_infer/blas.py). Its
 #: spinning worker otherwise shares the CPUs with the kernels' threads after every float product: measured
-#: on a 2-vCPU Zen 5 (docs/kernels.md), a 2,000-token prefill of the default model took 0.90x the time.
+#: on a 2-vCPU Zen 5 (docs/cpu.md), a 2,000-token prefill of the default model took 0.90x the time.
 OPENBLAS_THREAD_TIMEOUT_LOG2 = 4

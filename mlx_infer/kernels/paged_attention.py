@@ -30,8 +30,8 @@ PAGED_MAX_QUERIES = 16
 #: The kernel's head dims (D and Dv) are multiples of this (its widest vector).
 PAGED_HEAD_DIM_MULTIPLE = 16
 
-__all__ = ["PAGED_MAX_QUERIES", "in_query_blocks", "paged_kernel_runs", "packed_row_bits", "paged_attention", "paged_attention_backend",
-           "paged_kernel_fits", "paged_quant_attention", "reference_paged_attention",
+__all__ = ["PAGED_MAX_QUERIES", "in_query_blocks", "packed_row_bits", "paged_attention", "paged_attention_backend",
+           "paged_kernel_fits", "paged_kernel_runs", "paged_quant_attention", "reference_paged_attention",
            "reference_paged_quant_attention", "visible_keys"]
 
 
