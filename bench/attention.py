@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import REPO, WIKITEXT, alternated, machine, machine_line, wikitext_text, write_result  # noqa: E402
+from common import REPO, alternated, machine, machine_line, positive_ints, wikitext_path, wikitext_text, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -103,17 +103,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", default=None, help="a git commit (or ref) of this repository to compare with")
     ap.add_argument("--rounds", type=int, default=3, help="processes per side, alternated")
-    ap.add_argument("--contexts", default="1000,3000", help="cached tokens, comma-separated")
+    ap.add_argument("--contexts", type=positive_ints, default=[1000, 3000], help="cached tokens, comma-separated")
     ap.add_argument("--calls", type=int, default=15, help="timed evaluations per cell (the median is kept)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
-    if not WIKITEXT.is_file():
-        sys.exit(f"bench/attention.py: wikitext-2 not found at {WIKITEXT} (the model part's context)")
+    contexts = args.contexts
+    wikitext_path()  # (the model part's context)
     if args.child:
         print(json.dumps(measure(contexts, args.calls)))
         return
-    runs = alternated(__file__, args.against, args.rounds, ["--contexts", args.contexts, "--calls", str(args.calls)])
+    runs = alternated(__file__, args.against, args.rounds, ["--contexts", ",".join(map(str, contexts)), "--calls", str(args.calls)])
     info = machine()
     print(machine_line(info))
     names = list(runs)

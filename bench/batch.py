@@ -11,9 +11,9 @@ to the last token, prefill included):
                                  mlx_lm.batch_generate on the very model mlx-infer runs (its kernel layers):
                                  the same matmuls, so the difference is the batching machinery
 Greedy outputs of the batched run are checked against the one-after-another run (token ids).
-Every row of every concurrency runs once per trial, in turn (c=1's rows, then c=8's, ..., then again), so the
-machine's drift hits all alike; "vs 1 alone" divides medians, and the trial-by-trial line divides each
-trial's batched run by the lone request of the same trial.
+Every row of every concurrency runs once per trial, in turn (the lowest level's rows first, then the next
+level's, ..., then again), so the machine's drift hits all alike; "vs 1 alone" divides medians, and the
+trial-by-trial line divides each trial's batched run by the lone request of the same trial.
 
 Usage: python bench/batch.py [--concurrency 1,2,4,8] [--max-tokens 64] [--trials 3] [--model PATH] [--skip ROWS]
 Prints a table and writes bench/results/batch-*.json and batch-*.png (tokens/s against concurrency).
@@ -161,7 +161,7 @@ def main():
             by = sorted(r["vs_one_request_by_trial"])
             against = "alone" if low == 1 else "one after another"
             print(f"c={r['concurrency']} batched / c={low} {against}, trial by trial: median {by[len(by) // 2]:.2f}x "
-                  f"(range {by[0]:.2f}-{by[-1]:.2f}x over {len(by)} trials)")
+                  f"(range {by[0]:.2f}-{by[-1]:.2f}x over {len(by)} trial{'s' if len(by) > 1 else ''})")
     path = write_result("batch", {"machine": info, "kernels": engine.source.kernels, "max_tokens": args.max_tokens,
                                   "trials": args.trials, "rows": rows, "raw": raw})
     png = plot(rows, path.with_suffix(".png"))

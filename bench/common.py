@@ -22,15 +22,20 @@ PROMPTS = Path(__file__).resolve().parent / "prompts"
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
-def wikitext_text() -> str:
-    """The text of WIKITEXT.
+def wikitext_path() -> Path:
+    """WIKITEXT, checked.
 
     Raises:
         SystemExit: (one line) the file is not there."""
     if not WIKITEXT.is_file():
         raise SystemExit(f"bench: wikitext-2's test split not found at {WIKITEXT}: this benchmark reads it from "
                          f"shared/data/wikitext-2/test.txt beside the repository")
-    return WIKITEXT.read_text(encoding="utf-8")
+    return WIKITEXT
+
+
+def wikitext_text() -> str:
+    """The text of WIKITEXT (SystemExit, one line, when it is not there)."""
+    return wikitext_path().read_text(encoding="utf-8")
 
 
 def positive_int(text: str) -> int:
@@ -186,12 +191,14 @@ def code_sides(against: Optional[str]) -> Iterator[Dict[str, dict]]:
     if against is None:
         yield sides
         return
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--end-of-options",
+                             f"{against}^{{commit}}"], capture_output=True, text=True)
+    if commit.returncode or not commit.stdout.strip():
+        raise SystemExit(f"bench: --against {against!r}: not a commit of this repository")
     with tempfile.TemporaryDirectory(prefix="mlx-infer-bench-") as tmp:
         tree = Path(tmp) / "tree"
-        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), against],
-                               capture_output=True, text=True)
-        if added.returncode:
-            raise SystemExit(f"bench: --against {against!r}: not a commit of this repository ({added.stderr.strip()})")
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(tree), commit.stdout.strip()],
+                       check=True, capture_output=True)
         (Path(tmp) / "shared").symlink_to(REPO.parent / "shared")  # for REF's code that reads ../shared
         try:
             yield {against: dict(os.environ, PYTHONPATH=str(tree), MLX_INFER_CACHE=str(Path(tmp) / "cache")), **sides}

@@ -33,7 +33,7 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import machine, machine_line, wikitext_text, write_result  # noqa: E402
+from common import machine, machine_line, positive_ints, wikitext_text, write_result  # noqa: E402
 
 
 #: (statement, question, answer prefix, answer): the prompt states `statement`; it ends with the question and
@@ -128,13 +128,13 @@ def contains(text: str, answer: str) -> bool:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths (tokens)")
+    ap.add_argument("--lengths", type=positive_ints, default=[1024, 2048, 4096], help="prompt lengths (tokens)")
     ap.add_argument("--settings", default=SETTINGS)
     ap.add_argument("--models", default="default", help="default, gemma (Gemma-3-270M), or a model path")
     ap.add_argument("--max-tokens", type=int, default=12)
     args = ap.parse_args()
     settings = args.settings.split(",")
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     info = machine()
     print(machine_line(info), flush=True)
     text = wikitext_text()[:45 * max(lengths)]

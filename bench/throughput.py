@@ -30,18 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 from common import (PROMPTS, alternated, machine, machine_line, non_negative_int, positive_int,  # noqa: E402
-                    write_result)
+                    wikitext_path, write_result)
 from kv_core import wikitext_ids  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
 
 def prompts(n: int) -> list:
-    """The first n prompts of bench/prompts (chat, code, math, copy, in that order)."""
+    """n prompts of bench/prompts (chat, code, math, copy, in that order), from the first again past the last."""
     out = []
     for name in ("chat", "code", "math", "copy"):
         out += [json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-    return out[:n]
+    return [out[i % len(out)] for i in range(n)]
 
 
 def measure(model, trials: int, max_tokens: int, concurrency: int, prompt_tokens: int) -> dict:
@@ -95,6 +95,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.model, args.trials, args.max_tokens, args.concurrency, args.prompt_tokens)))
         return
+    if args.prompt_tokens:
+        wikitext_path()  # before any process starts
     child = ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens), "--concurrency", str(args.concurrency),
              "--prompt-tokens", str(args.prompt_tokens)]
     runs = alternated(__file__, args.against, args.rounds, child + (["--model", args.model] if args.model else []))

@@ -19,6 +19,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     ("throughput.py", ["--prompt-tokens", "-5"], "argument --prompt-tokens: -5 is below 0"),
     ("throughput.py", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
     ("throughput.py", ["--against", "no-such-ref-here", "--rounds", "1"], "not a commit of this repository"),
+    ("throughput.py", ["--against=--lock", "--rounds", "1"], "not a commit of this repository"),
+    ("attention.py", ["--contexts", "1,,2"], "argument --contexts: '' is not an integer"),
+    ("kv_recall.py", ["--lengths", "x"], "argument --lengths: 'x' is not an integer"),
 ])
 def test_bad_arguments_get_one_line(script, args, message):
     done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120)
