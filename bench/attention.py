@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import REPO, alternated, machine, machine_line, positive_ints, wikitext_path, wikitext_text, write_result  # noqa: E402
+from common import alternated, machine, machine_line, positive_ints, wikitext_path, wikitext_text, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 

@@ -20,7 +20,6 @@ Prints a table and writes bench/results/batch-*.json and batch-*.png (tokens/s a
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import (PROMPTS, interleaved, machine, machine_line, positive_int, positive_ints, pyplot,  # noqa: E402
+from common import (all_prompts, interleaved, machine, machine_line, positive_int, positive_ints, pyplot,  # noqa: E402
                     write_result)
 from mlx_lm import batch_generate, load as mlx_lm_load  # noqa: E402
 
@@ -37,13 +36,6 @@ from mlx_lm import batch_generate, load as mlx_lm_load  # noqa: E402
 #: The rows, in the order each trial runs them; the first two are what the ratios need (they cannot be skipped).
 ROWS = ("mlx-infer batched", "mlx-infer one after another", "mlx-lm BatchGenerator", "mlx-lm BatchGenerator on the kernels")
 KERNELS_PEER = ROWS[3]
-
-
-def load_prompts():
-    out = []
-    for name in ("chat", "code", "math", "copy"):
-        out += [json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-    return out
 
 
 def timed(fn):
@@ -113,7 +105,7 @@ def main():
 
     engine = mlx_infer.load(args.model)
     plain_model, plain_tok = mlx_lm_load(str(engine.source.mlx_dir))
-    prompts = load_prompts()
+    prompts = all_prompts()
     levels = sorted(set(args.concurrency))
     rs = {}
     for c in levels:

@@ -1,5 +1,6 @@
 """Shared benchmark plumbing: machine description, interleaved trials, result files."""
 
+import argparse
 import contextlib
 import json
 import os
@@ -18,8 +19,20 @@ RESULTS_DIR = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 #: The benchmark prompt sets, one JSON object per line with its "prompt" (chat, code, math, copy).
 PROMPTS = Path(__file__).resolve().parent / "prompts"
+PROMPT_SETS = ("chat", "code", "math", "copy")
 #: wikitext-2's test split, beside the repository (../shared/data): the long prompts and perplexity windows.
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
+
+
+def prompt_set(name: str) -> List[str]:
+    """The prompts of bench/prompts/NAME.jsonl, in order."""
+    lines = (PROMPTS / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
+def all_prompts() -> List[str]:
+    """Every prompt of PROMPT_SETS, set after set."""
+    return [p for name in PROMPT_SETS for p in prompt_set(name)]
 
 
 def wikitext_path() -> Path:
@@ -54,8 +67,6 @@ def positive_ints(text: str) -> List[int]:
 
 
 def _int_at_least(text: str, low: int) -> int:
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

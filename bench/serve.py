@@ -37,16 +37,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402
-from common import PROMPTS, machine, machine_line, write_result  # noqa: E402
+from common import all_prompts, machine, machine_line, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_prompts():
-    out = []
-    for name in ("chat", "code", "math", "copy"):
-        out += [json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-    return out
 
 
 def free_port() -> int:
@@ -201,7 +194,7 @@ def main():
                           "--kv-idle-release", str(args.kv_idle_release)]}
     systems = args.systems.split(",")
     procs = {s: start(s, cmds[s], ports[s]) for s in systems}
-    prompts = load_prompts()
+    prompts = all_prompts()
     rows, turns, soaked = [], {}, None
     try:
         for s in systems:  # warm-up

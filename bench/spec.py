@@ -50,7 +50,6 @@ Prints a table per temperature and writes bench/results/spec-*.json.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -61,7 +60,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import PROMPTS, bootstrap_ratio, machine, machine_line, write_result  # noqa: E402
+from common import bootstrap_ratio, machine, machine_line, prompt_set, write_result  # noqa: E402
 from mlx_infer.engine import Engine  # noqa: E402
 from mlx_infer.speculative import schedule  # noqa: E402
 from mlx_infer.speculative.schedule import ARM_WINDOW  # noqa: E402
@@ -72,8 +71,8 @@ PEERS_ONCE = ("draft (mlx-lm speculative)", "lookup (mlx-dspark)")
 
 
 def load_prompts(name: str, limit: int) -> list:
-    lines = (PROMPTS / f"{name}.jsonl").read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
+    """The first `limit` prompts of set `name` (common.prompt_set)."""
+    return prompt_set(name)[:limit]
 
 
 def mean_by_position(lists: list) -> list:

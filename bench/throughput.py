@@ -4,7 +4,8 @@ sides alternated for --rounds rounds (this VM drifts by 10-30% between minutes; 
 Each process loads the default model (or --model) as users get it and measures, after a warm-up:
   decode    one request: greedy decode tokens/s after the first token (`Engine.stream_steps`, pipelined as
             `generate`), a whole prefill each time, median of --trials
-  batch     --concurrency requests (the first prompts of bench/prompts; with --prompt-tokens N, windows of
+  batch     --concurrency requests (the prompts of bench/prompts in order, again from the first past the
+            last; with --prompt-tokens N, windows of
             N tokens of wikitext-2, bench/kv_core.py's wikitext_ids, one after another in the text) through
             `Engine.generate_batch`, greedy, from an empty cache (no prefix-cache hits): total tokens / wall
             seconds, every prompt's prefill included, median of --trials
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import (PROMPTS, alternated, machine, machine_line, non_negative_int, positive_int,  # noqa: E402
+from common import (all_prompts, alternated, machine, machine_line, non_negative_int, positive_int,  # noqa: E402
                     wikitext_path, write_result)
 from kv_core import wikitext_ids  # noqa: E402
 
@@ -37,10 +38,8 @@ PROMPT = "Write a detailed story about a lighthouse keeper who finds a message i
 
 
 def prompts(n: int) -> list:
-    """n prompts of bench/prompts (chat, code, math, copy, in that order), from the first again past the last."""
-    out = []
-    for name in ("chat", "code", "math", "copy"):
-        out += [json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    """n prompts of bench/prompts (common.all_prompts), from the first again past the last."""
+    out = all_prompts()
     return [out[i % len(out)] for i in range(n)]
 
 
