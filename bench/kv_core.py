@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROMPTS, interleaved, machine, wikitext_text  # noqa: E402
+from common import PROMPTS, interleaved, machine, positive_ints, wikitext_text  # noqa: E402
 
 from mlx_infer.engine import Engine  # noqa: E402
 from mlx_infer.kernels.paged_attention import paged_attention_backend  # noqa: E402
@@ -229,7 +229,7 @@ def bench_batched(args, engine):
     model = engine.model
     install_attention_hook(model)
     rows = []
-    for context, B, bits in ((int(c), int(b), k) for c in args.contexts.split(",") for b in args.batches.split(",")
+    for context, B, bits in ((c, b, k) for c in args.contexts for b in args.batches
                              for k in args.kv_bits.split(",")):  # --kv-bits 8: quantized blocks
         pool = make_pool(model, kv_quant(bits))
         caches = []
@@ -321,8 +321,8 @@ def main():
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens (--overhead, --observe)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per run (--overhead, --observe, --batched)")
-    ap.add_argument("--contexts", default="100,1500", help="wikitext tokens per request (--batched)")
-    ap.add_argument("--batches", default="1,4,8", help="requests decoding together (--batched)")
+    ap.add_argument("--contexts", type=positive_ints, default=[100, 1500], help="wikitext tokens per request (--batched)")
+    ap.add_argument("--batches", type=positive_ints, default=[1, 4, 8], help="requests decoding together (--batched)")
     ap.add_argument("--kv-bits", default="float", help="KV blocks, comma-separated: float, 8, 4, k8v4 (--batched)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--window", type=int, default=2048, help="wikitext tokens (--retained)")

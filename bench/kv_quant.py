@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
-from common import interleaved, machine, machine_line, median, pyplot, time_tokens, wikitext_text, write_result  # noqa: E402
+from common import (interleaved, machine, machine_line, median, positive_ints, pyplot, time_tokens,  # noqa: E402
+                    wikitext_text, write_result)
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
@@ -178,7 +179,7 @@ def plot(rows: List[dict], path: Path) -> Optional[Path]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="512,2048", help="prompt lengths (tokens), e.g. 512,2048,4096,8192")
+    ap.add_argument("--contexts", type=positive_ints, default=[512, 2048], help="prompt lengths (tokens), e.g. 512,2048,4096,8192")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS,
@@ -190,8 +191,8 @@ def main():
 
     engine = mlx_infer.load(args.model)
     settings = args.settings.split(",")
-    ids_all = list(engine.tokenizer.encode(wikitext_text()[:45 * max(int(c) for c in args.contexts.split(","))]))
-    contexts = [min(int(c), engine.context_length - args.max_tokens - 1) for c in args.contexts.split(",")]
+    ids_all = list(engine.tokenizer.encode(wikitext_text()[:45 * max(args.contexts)]))
+    contexts = [min(c, engine.context_length - args.max_tokens - 1) for c in args.contexts]
     if len(ids_all) < max(contexts):
         raise SystemExit(f"wikitext gave {len(ids_all)} tokens, {max(contexts)} asked for")
     info = machine()

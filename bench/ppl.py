@@ -56,7 +56,7 @@ import mlx.nn as nn
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, machine, machine_line, pyplot, wikitext_text, write_result  # noqa: E402
+from common import WIKITEXT, machine, machine_line, positive_ints, pyplot, wikitext_text, write_result  # noqa: E402
 
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -305,7 +305,7 @@ def kv_main(args) -> None:
     settings = [parse_kv_setting(x) for x in args.kv_bits.split(",")]
     if settings[0][1] is not None:
         settings.insert(0, ("float", None))
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     counts = [int(x) for x in str(args.windows).split(",")]
     counts = counts + [counts[-1]] * (len(lengths) - len(counts))
     tokens = args.tokens or 64
@@ -367,7 +367,7 @@ def main():
     kv.add_argument("--kv-bits", default=None,
                     help="compare KV settings with float KV instead of eviction policies: a comma list of float, 8, "
                          "4, k8v4, kivi-4, kivi-8, ... (@rN: KIVI residual, @gN: group size)")
-    kv.add_argument("--lengths", default="512,2048,4096", help="window lengths (tokens, prefix + scored)")
+    kv.add_argument("--lengths", type=positive_ints, default=[512, 2048, 4096], help="window lengths (tokens, prefix + scored)")
     kv.add_argument("--kivi-residuals", default="", help="KIVI residual windows to sweep, e.g. 32,64,128")
     kv.add_argument("--residual-length", type=int, default=2048, help="window length of the residual sweep")
     kv.add_argument("--residual-bits", default="4", help="bits of the residual sweep's KIVI setting")

@@ -79,7 +79,8 @@ import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.c
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from common import bootstrap_ratio, machine, machine_line, pyplot, time_tokens, wikitext_text, write_result  # noqa: E402
+from common import (bootstrap_ratio, machine, machine_line, positive_ints, pyplot, time_tokens,  # noqa: E402
+                    wikitext_text, write_result)
 from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 from ppl import mean_kl, ppl, wikitext_windows, window_nll  # noqa: E402
@@ -456,7 +457,7 @@ def speed_part(model: nn.Module, tokenizer, args, log) -> dict:
     settings = args.speed_settings.split(",")
     prefill_settings = [s for s in args.prefill_settings.split(",") if s]
     models = {s: setting_model(model, s) for s in dict.fromkeys(["exact", *settings, *prefill_settings])}
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = args.contexts
     ids_all = list(tokenizer.encode(wikitext_text()[:45 * max(contexts)]))
     if len(ids_all) < max(contexts):
         raise SystemExit(f"wikitext gave {len(ids_all)} tokens, {max(contexts)} asked for")
@@ -755,7 +756,7 @@ def main():
     acc.add_argument("--check-tokens", type=int, default=32, help="decode-path check: positions (0: off)")
     acc.add_argument("--check-setting", default="linear=0.5")
     sp = ap.add_argument_group("speed (default model)")
-    sp.add_argument("--contexts", default="256,1024,4096", help="prompt tokens, e.g. 256,1024,4096,8192")
+    sp.add_argument("--contexts", type=positive_ints, default=[256, 1024, 4096], help="prompt tokens, e.g. 256,1024,4096,8192")
     sp.add_argument("--rounds", type=int, default=5)
     sp.add_argument("--decode-tokens", type=int, default=32)
     sp.add_argument("--speed-settings", default=DEFAULT_SPEED, help="exact, presets, --rmm texts")
@@ -772,8 +773,8 @@ def main():
     spg.add_argument("--spec-drafts", default="auto,2,4", help="max_draft values of speculative='rmm'")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    if args.long and "8192" not in args.contexts.split(","):
-        args.contexts += ",8192"
+    if args.long and 8192 not in args.contexts:
+        args.contexts.append(8192)
     rhos = [float(x) for x in args.rhos.split(",") if x and float(x) < 1.0]
     # one retention text per (component, rho) and the emulated granularity rows
     sweep = [f"{c}={r:g}" for c in args.components.split(",") if c for r in rhos]

@@ -22,6 +22,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     ("throughput.py", ["--against=--lock", "--rounds", "1"], "not a commit of this repository"),
     ("attention.py", ["--contexts", "1,,2"], "argument --contexts: '' is not an integer"),
     ("kv_recall.py", ["--lengths", "x"], "argument --lengths: 'x' is not an integer"),
+    ("ppl.py", ["--lengths", "512,0"], "argument --lengths: 0 is below 1"),
+    ("kv_core.py", ["--batches", "1,,8"], "argument --batches: '' is not an integer"),
 ])
 def test_bad_arguments_get_one_line(script, args, message):
     done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120)
