@@ -61,7 +61,7 @@ QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::S
                      int bits);
 // load_x (below) for x of dtype float32, float16 or bfloat16: x [..., K] (any strides) as float32 [M, K],
 // M the product of the leading dimensions (the rows of row_offsets(x)).
-void load_x_as(const mx::array& x, int bits, int lanes, float* dst);
+void load_x_as(const mx::array& x, int bits, int lanes, int block, float* dst);
 
 // Products smaller than this (M * N * K multiply-adds) run on one thread: splitting them costs more
 // than it saves (measured with bench/kernels.py on 2 cores).
@@ -90,24 +90,32 @@ void split_rows(int N, int K, int64_t macs, F&& fn) {
   });
 }
 
-// x's M rows (row m at src + rows[m], element k at + k * sk) as row-contiguous float32 dst [M, K], in the
-// kernel's order: for bits 4 each block of 2 * lanes values holds its even-indexed values first, then
-// the odd ones (the order the kernel unpacks 4-bit codes in, see qmm_body.h).
+// x's M rows (row m at src + rows[m], element k at + k * sk) as float32 dst [M, K], in the kernel's
+// order: for bits 4 each block of 2 * lanes values holds its even-indexed values first, then the odd
+// ones (the order the kernel unpacks 4-bit codes in, see qmm_body.h). block 0: row-major; else blocked
+// as x_block (qmm_kernel.h) describes (block a multiple of 2 * lanes at bits 4, and a divisor of K).
 template <class T>
-void load_x(const T* src, const int64_t* rows, int64_t sk, int M, int K, int bits, int lanes, float* dst) {
+void load_x(const T* src, const int64_t* rows, int64_t sk, int M, int K, int bits, int lanes, int block,
+            float* dst) {
+  const int64_t row_step = block ? block : K;                 // from row m to row m + 1 (in a block)
+  const int64_t block_step = block ? int64_t(M) * block : 0;  // from a row's block to its next (row-major: + k0)
   for (int m = 0; m < M; ++m) {
     const T* row = src + rows[m];
-    float* out = dst + int64_t(m) * K;
-    if (bits == 4) {
-      for (int b = 0; b < K; b += 2 * lanes) {
-        for (int i = 0; i < lanes; ++i) {
-          out[b + i] = static_cast<float>(row[(b + 2 * i) * sk]);
-          out[b + lanes + i] = static_cast<float>(row[(b + 2 * i + 1) * sk]);
+    float* out = dst + int64_t(m) * row_step;
+    const int width = block ? block : K;
+    for (int k0 = 0; k0 < K; k0 += width, out += block_step) {
+      float* o = out + (block ? 0 : k0);
+      if (bits == 4) {
+        for (int b = 0; b < width; b += 2 * lanes) {
+          for (int i = 0; i < lanes; ++i) {
+            o[b + i] = static_cast<float>(row[(k0 + b + 2 * i) * sk]);
+            o[b + lanes + i] = static_cast<float>(row[(k0 + b + 2 * i + 1) * sk]);
+          }
         }
-      }
-    } else {
-      for (int k = 0; k < K; ++k) {
-        out[k] = static_cast<float>(row[k * sk]);
+      } else {
+        for (int k = 0; k < width; ++k) {
+          o[k] = static_cast<float>(row[(k0 + k) * sk]);
+        }
       }
     }
   }

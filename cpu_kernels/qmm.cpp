@@ -318,16 +318,16 @@ QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::S
   return a;
 }
 
-void load_x_as(const mx::array& x, int bits, int lanes, float* dst) {
+void load_x_as(const mx::array& x, int bits, int lanes, int block, float* dst) {
   const std::vector<int64_t> rows = row_offsets(x);
   const int M = int(rows.size()), K = x.shape(-1);
   const int64_t sk = x.strides().back();
   if (x.dtype() == mx::float32) {
-    load_x(x.data<float>(), rows.data(), sk, M, K, bits, lanes, dst);
+    load_x(x.data<float>(), rows.data(), sk, M, K, bits, lanes, block, dst);
   } else if (x.dtype() == mx::float16) {
-    load_x(x.data<mx::float16_t>(), rows.data(), sk, M, K, bits, lanes, dst);
+    load_x(x.data<mx::float16_t>(), rows.data(), sk, M, K, bits, lanes, block, dst);
   } else {
-    load_x(x.data<mx::bfloat16_t>(), rows.data(), sk, M, K, bits, lanes, dst);
+    load_x(x.data<mx::bfloat16_t>(), rows.data(), sk, M, K, bits, lanes, block, dst);
   }
 }
 
@@ -367,7 +367,8 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
     thread_local std::vector<float> xbuf, xd, xs;
     thread_local std::vector<int8_t> xq;
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
-    load_x_as(x, q8 ? 8 : a.bits, k.lanes, xf);
+    // (blocked for fused_wide's rows, fewer than rows_per_pass: one pass then)
+    load_x_as(x, q8 ? 8 : a.bits, k.lanes, q8 ? 0 : x_block(k, a.M, a.bits), xf);
     if (q8) {  // x rounded to int8 once for every weight row
       xq.resize(size_t(a.M) * a.K);
       xd.resize(size_t(a.M) * (a.K / 32) * 4);

@@ -21,7 +21,7 @@ struct Avx2 {
   // 0.98-1.03x at 9, 1.00-1.05x at 11 and 1.45x at 16, so 9 and more rows keep the scratch; two weight
   // rows per call at 5-9 rows measured 0.92-1.16x.
   static constexpr int MW = 8;
-  static constexpr int wide_rows_per_call(int M) { return M <= 4 ? 2 : 1; }
+  static constexpr int wide_rows_per_call(int M, int) { return M <= 4 ? 2 : 1; }
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -100,8 +100,8 @@ struct Avx2 {
 }  // namespace
 
 const QmmKernel& kernel_avx2() {
-  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, &rows<Avx2>, &attend<Avx2>,
-                           &paged_attend<Avx2>, &softmax_rows<Avx2>, &swiglu_values<Avx2>,
+  static const QmmKernel k{"avx2", Avx2::L, Avx2::NB, Avx2::MB, Avx2::MW, &rows<Avx2>,
+                           &attend<Avx2>, &paged_attend<Avx2>, &softmax_rows<Avx2>, &swiglu_values<Avx2>,
                            &geglu_values<Avx2>};
   return k;
 }

@@ -13,12 +13,15 @@ struct Avx512 {
   static constexpr int NB = 4;  // weight rows per block
   static constexpr int MB = 4;  // x rows per register tile (16 accumulators of 32 registers)
   static constexpr int TB = 4;  // the same over the scratch
-  // fused_wide for MB < M <= MW rows, one weight row per call up to 6 rows, two above. Measured on Zen 4
-  // (the default model's 30 layers of products against the scratch path, interleaved in one process):
-  // 0.87x the time at 5-6 rows, 0.92x at 7 (0.97x with 1 weight row per call), 0.94-0.96x at 8-10,
-  // 0.98x at 11, 1.05x at 12; 12 and more rows keep the scratch.
+  // fused_wide for MB < M <= MW rows: four weight rows per call, at 8 bits two above 6 rows. Measured on
+  // Zen 4 with x row-major, one weight row per call up to 6 rows and two above (the default model's 30
+  // layers of products against the scratch path, interleaved in one process): 0.87x the time at 5-6 rows,
+  // 0.92x at 7, 0.94-0.96x at 8-10, 0.98x at 11, 1.05x at 12; 12 and more rows keep the scratch. On the
+  // Zen 5 VM (the default model's shapes at group size 32, 2 threads), four rows per call over blocked x
+  // took 0.70-0.86x the time of that form at 4 bits and 5-11 rows, and at 8 bits (the 576 x 49152 head)
+  // 0.73x at 5 rows, 1.00-1.19x at 8-11, where two rows per call took 0.69-0.77x; not measured on Zen 4.
   static constexpr int MW = 11;
-  static constexpr int wide_rows_per_call(int M) { return M <= 6 ? 1 : 2; }
+  static constexpr int wide_rows_per_call(int M, int bits) { return bits == 8 && M > 6 ? 2 : 4; }
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -92,8 +95,8 @@ struct Avx512 {
 }  // namespace
 
 const QmmKernel& kernel_avx512() {
-  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, &rows<Avx512>, &attend<Avx512>,
-                           &paged_attend<Avx512>, &softmax_rows<Avx512>, &swiglu_values<Avx512>,
+  static const QmmKernel k{"avx512", Avx512::L, Avx512::NB, Avx512::MB, Avx512::MW, &rows<Avx512>,
+                           &attend<Avx512>, &paged_attend<Avx512>, &softmax_rows<Avx512>, &swiglu_values<Avx512>,
                            &geglu_values<Avx512>};
   return k;
 }

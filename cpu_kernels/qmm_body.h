@@ -7,12 +7,13 @@
 // (fused); for more rows they go to a float32 scratch of NB rows that stays in L1 and is
 // multiplied in register tiles of TB x NB accumulators (tile). Each weight group is read from memory
 // once for all M rows; the accumulation is in float32. Where the variant sets S::MW, M in (S::MB, S::MW]
-// stays in registers too (fused_wide: NB of 1 or 2, x read from L1 at each use). Every
+// stays in registers too (fused_wide: x blocked, read from L1 at each use). Every
 // path adds the same products in the same order per output, so a row's result does not depend on M.
 // For bits 4 the codes are unpacked as low nibbles then high nibbles (2 operations per vector instead
 // of an interleave), so x is reordered once per call to match.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -160,17 +161,21 @@ inline typename S::V param(const void* p, int64_t i) {
 // then every row of x is loaded once and multiplied with all of them. The scales and biases are
 // broadcast once per group, and the weight stream is prefetched one block line per line consumed.
 // (Measured on Zen 4 against the previous form, which broadcast them through scalar conversions and
-// loaded x for every weight row: 0.97x the time at 1-2 rows, 0.90x at 3, 0.85x at 4.)
-template <class S, int BITS, Dtype DT, int NB, int MB>
+// loaded x for every weight row: 0.97x the time at 1-2 rows, 0.90x at 3, 0.85x at 4.) GS: the group
+// size when known at compile time, else 0 (fused_block runs group size 32, the GGUF-loaded weights',
+// with GS = 32: on the Zen 5 VM the default model's 576 x 3072 product at 1 / 2 / 3 / 4 rows took 0.91x /
+// 0.85x / 0.76x / 0.69x the time of the runtime-size form, 2 threads).
+template <class S, int BITS, Dtype DT, int NB, int MB, int GS>
 inline void fused(const QmmArgs& a, int n) {
   using V = typename S::V;
   constexpr int L = S::L;
   constexpr int step = kStep<S, BITS>;
   constexpr int halves = BITS == 4 ? 2 : 1;  // vectors per unpacking step
   const int K = x_len(a);
-  const int64_t groups = a.K / a.group_size;
+  const int gs = GS ? GS : a.group_size;
+  const int64_t groups = a.K / gs;
   const int64_t row_bytes = int64_t(a.K) * BITS / 8;
-  const int64_t group_bytes = int64_t(a.group_size) * BITS / 8;
+  const int64_t group_bytes = int64_t(gs) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
   const int64_t sb = int64_t(n) * groups;  // this block's first scale / bias
   V acc[MB][NB];
@@ -192,8 +197,8 @@ inline void fused(const QmmArgs& a, int n) {
       b[j] = param<S, DT>(a.biases, sb + j * groups + g);
     }
     const uint8_t* wg = w + g * group_bytes;
-    const float* xg = a.x + gi * a.group_size;
-    for (int kk = 0; kk < a.group_size; kk += step) {
+    const float* xg = a.x + gi * gs;
+    for (int kk = 0; kk < gs; kk += step) {
       V q[NB][2];
       MLX_INFER_UNROLL
       for (int j = 0; j < NB; ++j) {
@@ -220,79 +225,71 @@ inline void fused(const QmmArgs& a, int n) {
 }
 
 // fused<..., NB, M> for the row count M (<= S::MB) of this product.
-template <class S, int BITS, Dtype DT, int NB>
+template <class S, int BITS, Dtype DT, int NB, int GS>
 inline void fused_rows(const QmmArgs& a, int n) {
   switch (a.M) {
     case 1:
-      fused<S, BITS, DT, NB, 1>(a, n);
+      fused<S, BITS, DT, NB, 1, GS>(a, n);
       break;
     case 2:
-      if constexpr (S::MB >= 2) fused<S, BITS, DT, NB, 2>(a, n);
+      if constexpr (S::MB >= 2) fused<S, BITS, DT, NB, 2, GS>(a, n);
       break;
     case 3:
-      if constexpr (S::MB >= 3) fused<S, BITS, DT, NB, 3>(a, n);
+      if constexpr (S::MB >= 3) fused<S, BITS, DT, NB, 3, GS>(a, n);
       break;
     default:
-      if constexpr (S::MB >= 4) fused<S, BITS, DT, NB, 4>(a, n);
+      if constexpr (S::MB >= 4) fused<S, BITS, DT, NB, 4, GS>(a, n);
       break;
   }
 }
 
 // Rows 0..MB of y for weight rows n..n+NB, dequantizing each group into registers as `fused` does, for
-// S::MB < M <= S::MW rows (NB of 1 or 2, so that the MB x NB accumulators fit in registers), where the
-// scratch path would store and reload every dequantized value. It differs from `fused` only in how it
-// reads scales, biases and the weight stream (scalar loads, per-row prefetch): `fused` in its place
-// measured 1.06-1.13x the time at 6-9 rows on Zen 4, for reasons not found (the broadcasts and the
-// prefetch alone were each tried and were not it).
-template <class S, int BITS, int NB, int MB>
+// S::MB < M <= S::MW rows (NB of S::wide_rows_per_call(M)), where the scratch path would store and
+// reload every dequantized value. x comes blocked (x_block in qmm_kernel.h): each step's x vectors of
+// all MB rows lie together, at fixed offsets from one pointer. GS as in `fused` (the compiler then
+// unrolls the group's steps and keeps fewer values live: with x blocked and four weight rows per call,
+// the runtime group size left the 8-row 576 x 3072 product at 0.75x the speed, one thread, Zen 5 VM).
+template <class S, int BITS, Dtype DT, int NB, int MB, int GS>
 inline void fused_wide(const QmmArgs& a, int n) {
   using V = typename S::V;
   constexpr int L = S::L;
   constexpr int step = kStep<S, BITS>;
-  const int K = x_len(a);
-  const int gs = a.group_size;
+  constexpr int halves = BITS == 4 ? 2 : 1;  // vectors per unpacking step
+  const int gs = GS ? GS : a.group_size;
   const int64_t groups = a.K / gs;
   const int64_t row_bytes = int64_t(a.K) * BITS / 8;
+  const int64_t group_bytes = int64_t(gs) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
-  const float* x = a.x;
+  const int64_t sb = int64_t(n) * groups;  // this block's first scale / bias
+  const float* xt = a.x;                   // the step's block of x: [MB, step]
   V acc[MB][NB];
   zero_tile<S>(acc);
   for (int64_t gi = 0; gi < a.G; ++gi) {
     const int64_t g = read_group(a, gi);
-    V s[NB], b[NB];
+    const uint8_t* wg = w + g * group_bytes;
     MLX_INFER_UNROLL
-    for (int j = 0; j < NB; ++j) {
-      s[j] = S::set1(load_param<S>(a.scales, (n + j) * groups + g, a.sb_dtype));
-      b[j] = S::set1(load_param<S>(a.biases, (n + j) * groups + g, a.sb_dtype));
-      __builtin_prefetch(w + j * row_bytes + g * gs * BITS / 8 + kPrefetchBytes, 0, 0);
-    }
-    for (int64_t kk = 0; kk < gs; kk += step) {
-      const int64_t k = gi * gs + kk;  // in x
-      const int64_t kw = g * gs + kk;  // in the weight row
+    for (int j = 0; j < NB; ++j) __builtin_prefetch(wg + j * row_bytes + kPrefetchBytes, 0, 0);
+    for (int kk = 0; kk < gs; kk += step, xt += MB * step) {
       V q[NB][2];
       MLX_INFER_UNROLL
       for (int j = 0; j < NB; ++j) {
         if constexpr (BITS == 4) {
-          S::codes4(w + j * row_bytes + kw / 2, q[j]);
+          S::codes4(wg + j * row_bytes + kk / 2, q[j]);
         } else {
-          S::codes8(w + j * row_bytes + kw, q[j]);
+          S::codes8(wg + j * row_bytes + kk, q[j]);
         }
-        q[j][0] = S::fma(q[j][0], s[j], b[j]);
-        if constexpr (BITS == 4) q[j][1] = S::fma(q[j][1], s[j], b[j]);
+        const V s = param<S, DT>(a.scales, sb + j * groups + g);
+        const V b = param<S, DT>(a.biases, sb + j * groups + g);
+        MLX_INFER_UNROLL
+        for (int h = 0; h < halves; ++h) q[j][h] = S::fma(q[j][h], s, b);
       }
       MLX_INFER_UNROLL
       for (int m = 0; m < MB; ++m) {
-        const V x0 = S::load(x + int64_t(m) * K + k);
         MLX_INFER_UNROLL
-        for (int j = 0; j < NB; ++j) {
-          acc[m][j] = S::fma(q[j][0], x0, acc[m][j]);
-        }
-        if constexpr (BITS == 4) {
-          const V x1 = S::load(x + int64_t(m) * K + k + L);
+        for (int h = 0; h < halves; ++h) {
+          const V xv = S::load(xt + m * step + h * L);
           MLX_INFER_UNROLL
-          for (int j = 0; j < NB; ++j) {
-            acc[m][j] = S::fma(q[j][1], x1, acc[m][j]);
-          }
+          for (int j = 0; j < NB; ++j) acc[m][j] = S::fma(q[j][h], xv, acc[m][j]);
         }
       }
     }
@@ -300,13 +297,13 @@ inline void fused_wide(const QmmArgs& a, int n) {
   store_tile<S>(a, 0, n, acc);
 }
 
-// fused_wide<..., NB, M> for the row count M of this product (S::MB < M <= S::MW).
-template <class S, int BITS, int NB>
+// fused_wide<..., NB, M, GS> for the row count M of this product (S::MB < M <= S::MW).
+template <class S, int BITS, Dtype DT, int NB, int GS>
 inline void wide_rows(const QmmArgs& a, int n) {
   switch (a.M) {
 #define MLX_INFER_WIDE(R) \
     case R:               \
-      if constexpr (S::MW >= R) fused_wide<S, BITS, NB, R>(a, n); \
+      if constexpr (S::MW >= R) fused_wide<S, BITS, DT, NB, R, GS>(a, n); \
       break;
     MLX_INFER_WIDE(3)
     MLX_INFER_WIDE(4)
@@ -328,17 +325,32 @@ inline void wide_rows(const QmmArgs& a, int n) {
   }
 }
 
+// Weight rows [n, n + NB) by fused_wide, `per_call` (1, 2 or 4) weight rows at a time.
+template <class S, int BITS, Dtype DT, int NB, int GS>
+inline void wide_block(const QmmArgs& a, int n, int per_call) {
+  constexpr int N4 = NB >= 4 ? 4 : 1, N2 = NB >= 2 ? 2 : 1;  // (no 4-row body for a 1-row block)
+  if (per_call == 4) {
+    for (int j = 0; j < NB; j += 4) wide_rows<S, BITS, DT, N4, GS>(a, n + j);
+  } else if (per_call == 2) {
+    for (int j = 0; j < NB; j += 2) wide_rows<S, BITS, DT, N2, GS>(a, n + j);
+  } else {
+    for (int j = 0; j < NB; ++j) wide_rows<S, BITS, DT, 1, GS>(a, n + j);
+  }
+}
+
 // Weight rows [n, n + NB) for all M rows in registers (M <= S::MW); false when M needs the scratch.
 template <class S, int BITS, Dtype DT, int NB>
 inline bool fused_block(const QmmArgs& a, int n) {
-  if (a.M <= S::MB) {
-    fused_rows<S, BITS, DT, NB>(a, n);
+  if (a.M <= S::MB && a.group_size == 32) {
+    fused_rows<S, BITS, DT, NB, 32>(a, n);
+  } else if (a.M <= S::MB) {
+    fused_rows<S, BITS, DT, NB, 0>(a, n);
   } else if (a.M <= S::MW) {
-    if (NB >= 2 && S::wide_rows_per_call(a.M) == 2) {
-      constexpr int NW = NB < 2 ? 1 : 2;
-      for (int j = 0; j < NB; j += NW) wide_rows<S, BITS, NW>(a, n + j);
+    const int per_call = std::min(NB, S::wide_rows_per_call(a.M, BITS));
+    if (a.group_size == 32) {  // (the GGUF-loaded weights' group size)
+      wide_block<S, BITS, DT, NB, 32>(a, n, per_call);
     } else {
-      for (int j = 0; j < NB; ++j) wide_rows<S, BITS, 1>(a, n + j);
+      wide_block<S, BITS, DT, NB, 0>(a, n, per_call);
     }
   } else {
     return false;

@@ -67,7 +67,7 @@ struct Generic {
   static constexpr int MB = 2;
   static constexpr int TB = 2;
   static constexpr int MW = 0;  // no fused_wide (not measured where this variant runs)
-  static constexpr int wide_rows_per_call(int) { return 1; }
+  static constexpr int wide_rows_per_call(int, int) { return 1; }
   struct V {
     float v[L];
   };
@@ -153,12 +153,12 @@ struct Generic {
 
 const QmmKernel& kernel_generic() {
 #if defined(__aarch64__)
-  static const QmmKernel k{"neon", Generic::L, Generic::NB, &rows<Generic>, &attend<Generic>,
-                           &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>,
+  static const QmmKernel k{"neon", Generic::L, Generic::NB, Generic::MB, Generic::MW, &rows<Generic>,
+                           &attend<Generic>, &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>,
                            &geglu_values<Generic>};
 #else
-  static const QmmKernel k{"generic", Generic::L, Generic::NB, &rows<Generic>, &attend<Generic>,
-                           &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>,
+  static const QmmKernel k{"generic", Generic::L, Generic::NB, Generic::MB, Generic::MW, &rows<Generic>,
+                           &attend<Generic>, &paged_attend<Generic>, &softmax_rows<Generic>, &swiglu_values<Generic>,
                            &geglu_values<Generic>};
 #endif
   return k;

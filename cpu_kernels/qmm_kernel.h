@@ -145,6 +145,9 @@ struct QmmKernel {
   const char* name;  // "avx512", "avx2", "generic"
   int lanes;         // floats per vector register
   int rows_per_block;  // weight rows dequantized together (chunks of N are multiples of it)
+  // x rows that `rows` keeps in registers with x row-major (M <= register_rows, `fused`) and with x blocked
+  // (register_rows < M <= wide_rows, `fused_wide`: see x_block); more rows go through the L1 scratch.
+  int register_rows, wide_rows;
   // Computes y[:, n0:n1]. scratch: rows_per_block * K floats, private to the calling thread.
   void (*rows)(const QmmArgs& a, int n0, int n1, float* scratch);
   // The partial of head h over keys [s0, s1) (query row r sees keys s <= S - P + r % P). scratch:
@@ -162,6 +165,14 @@ struct QmmKernel {
   // The int8-activation product, where the variant has one (nullptr: every product in float32).
   const QmmQ8Kernel* q8 = nullptr;
 };
+
+// The layout `k.rows` reads x [M, K] in for a product of M rows of `bits`-bit weights (QmmArgs.x, load_x):
+// 0 for row-major; for the rows of fused_wide, the width B of the blocks of x's columns it unpacks per
+// step (2 * lanes codes at 4 bits, lanes at 8), x then stored block by block with the M rows of each
+// together, element (m, k) at (k / B) * M * B + m * B + k % B, so that one pointer reaches every row.
+inline int x_block(const QmmKernel& k, int M, int bits) {
+  return M > k.register_rows && M <= k.wide_rows ? (bits == 4 ? 2 : 1) * k.lanes : 0;
+}
 
 const QmmKernel& kernel_avx512();
 const QmmKernel& kernel_avx2();

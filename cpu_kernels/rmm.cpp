@@ -71,7 +71,7 @@ void RmmQmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
       [a, keep = keep_, x]() mutable {
         const int M = a.M, K = a.K, gs = a.group_size, G = K / gs;
         std::vector<float> natural(size_t(M) * K);  // x as float32 [M, K], natural order
-        load_x_as(x, 8, 1, natural.data());
+        load_x_as(x, 8, 1, 0, natural.data());
         const std::vector<char> kept = select_groups(natural.data(), M, K, gs, keep);  // [M, G]
         std::vector<int32_t> groups;  // the union over rows, ascending
         for (int g = 0; g < G; ++g) {
@@ -99,7 +99,7 @@ void RmmQmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         const QmmKernel& k = kernel();
         std::vector<float> xbuf;  // in the kernel's order, on a cache line
         float* xf = aligned(xbuf, size_t(M) * Kc);
-        load_x(compact.data(), strided_rows(M, Kc).data(), 1, M, Kc, a.bits, k.lanes, xf);
+        load_x(compact.data(), strided_rows(M, Kc).data(), 1, M, Kc, a.bits, k.lanes, x_block(k, M, a.bits), xf);
         a.x = xf;
         a.groups = groups.data();
         a.G = U;
