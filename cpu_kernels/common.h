@@ -59,9 +59,10 @@ QmmArgs weight_args(const std::vector<mx::array>& inputs, size_t first, mx::arra
 // and the output's buffer and dtype; every group read).
 QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::Stream stream, int group_size,
                      int bits);
-// load_x (below) for x of dtype float32, float16 or bfloat16: x [..., K] (any strides) as float32 [M, K],
-// M the product of the leading dimensions (the rows of row_offsets(x)).
-void load_x_as(const mx::array& x, int bits, int lanes, int block, float* dst);
+// load_x (below) for x of dtype float32, float16 or bfloat16: rows [m0, m0 + M) of x [..., K] (any strides;
+// its rows are those of row_offsets(x), given as `rows`) as float32 [M, K] at dst.
+void load_x_as(const mx::array& x, const std::vector<int64_t>& rows, int m0, int M, int bits, int lanes, int block,
+               float* dst);
 
 // Products smaller than this (M * N * K multiply-adds) run on one thread: splitting them costs more
 // than it saves (measured with bench/kernels.py on 2 cores).

@@ -318,16 +318,17 @@ QmmArgs product_args(const std::vector<mx::array>& inputs, mx::array& out, mx::S
   return a;
 }
 
-void load_x_as(const mx::array& x, int bits, int lanes, int block, float* dst) {
-  const std::vector<int64_t> rows = row_offsets(x);
-  const int M = int(rows.size()), K = x.shape(-1);
+void load_x_as(const mx::array& x, const std::vector<int64_t>& rows, int m0, int M, int bits, int lanes, int block,
+               float* dst) {
+  const int K = x.shape(-1);
   const int64_t sk = x.strides().back();
+  const int64_t* r = rows.data() + m0;
   if (x.dtype() == mx::float32) {
-    load_x(x.data<float>(), rows.data(), sk, M, K, bits, lanes, block, dst);
+    load_x(x.data<float>(), r, sk, M, K, bits, lanes, block, dst);
   } else if (x.dtype() == mx::float16) {
-    load_x(x.data<mx::float16_t>(), rows.data(), sk, M, K, bits, lanes, block, dst);
+    load_x(x.data<mx::float16_t>(), r, sk, M, K, bits, lanes, block, dst);
   } else {
-    load_x(x.data<mx::bfloat16_t>(), rows.data(), sk, M, K, bits, lanes, block, dst);
+    load_x(x.data<mx::bfloat16_t>(), r, sk, M, K, bits, lanes, block, dst);
   }
 }
 
@@ -367,19 +368,22 @@ void Qmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>&
     thread_local std::vector<float> xbuf, xd, xs;
     thread_local std::vector<int8_t> xq;
     float* xf = aligned(xbuf, size_t(a.M) * a.K);
-    // (blocked for fused_wide's rows, fewer than rows_per_pass: one pass then)
-    load_x_as(x, q8 ? 8 : a.bits, k.lanes, q8 ? 0 : x_block(k, a.M, a.bits), xf);
+    const std::vector<int64_t> rows = row_offsets(x);
+    const int M = a.M, pass = rows_per_pass(a.K);
     if (q8) {  // x rounded to int8 once for every weight row
+      load_x_as(x, rows, 0, M, 8, k.lanes, 0, xf);
       xq.resize(size_t(a.M) * a.K);
       xd.resize(size_t(a.M) * (a.K / 32) * 4);
       xs.resize(size_t(a.M) * (a.K / a.group_size));
       q8->prepare(xf, a.M, a.K, a.group_size, a.bits, xq.data(), xd.data(), xs.data());
     }
-    const int M = a.M, pass = rows_per_pass(a.K);
     char* y = static_cast<char*>(a.y);
     for (int m0 = 0; m0 < M; m0 += pass) {  // one pass over the weight per `pass` rows of x
       a.M = std::min(pass, M - m0);
       a.x = xf + int64_t(m0) * a.K;
+      if (!q8) {  // this pass's rows, in the layout of its row count (the last pass may take fused_wide)
+        load_x_as(x, rows, m0, a.M, a.bits, k.lanes, x_block(k, a.M, a.bits), xf + int64_t(m0) * a.K);
+      }
       a.y = y + int64_t(m0) * a.ldy * y_item;
       if (q8) {
         a.xq = xq.data() + int64_t(m0) * a.K;

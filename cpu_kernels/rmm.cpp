@@ -71,7 +71,7 @@ void RmmQmm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
       [a, keep = keep_, x]() mutable {
         const int M = a.M, K = a.K, gs = a.group_size, G = K / gs;
         std::vector<float> natural(size_t(M) * K);  // x as float32 [M, K], natural order
-        load_x_as(x, 8, 1, 0, natural.data());
+        load_x_as(x, row_offsets(x), 0, M, 8, 1, 0, natural.data());
         const std::vector<char> kept = select_groups(natural.data(), M, K, gs, keep);  // [M, G]
         std::vector<int32_t> groups;  // the union over rows, ascending
         for (int g = 0; g < G; ++g) {
