@@ -18,8 +18,8 @@ struct Avx512 {
   // layers of products against the scratch path, interleaved in one process): 0.87x the time at 5-6 rows,
   // 0.92x at 7, 0.94-0.96x at 8-10, 0.98x at 11, 1.05x at 12; 12 and more rows keep the scratch. On the
   // Zen 5 VM (the default model's shapes at group size 32, 2 threads), four rows per call over blocked x
-  // took 0.70-0.86x the time of that form at 4 bits and 5-11 rows, and at 8 bits (the 576 x 49152 head)
-  // 0.73x at 5 rows, 1.00-1.19x at 8-11, where two rows per call took 0.69-0.77x; not measured on Zen 4.
+  // took 0.71-0.86x the time of that form at 4 bits and 5-11 rows, and at 8 bits (the 576 x 49152 head)
+  // 0.73x at 5 rows, 0.99-1.19x at 8-11, where two rows per call took 0.75-0.77x; not measured on Zen 4.
   static constexpr int MW = 11;
   static constexpr int wide_rows_per_call(int M, int bits) { return bits == 8 && M > 6 ? 2 : 4; }
   static V zero() { return _mm512_setzero_ps(); }

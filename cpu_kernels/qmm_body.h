@@ -164,7 +164,8 @@ inline typename S::V param(const void* p, int64_t i) {
 // loaded x for every weight row: 0.97x the time at 1-2 rows, 0.90x at 3, 0.85x at 4.) GS: the group
 // size when known at compile time, else 0 (fused_block runs group size 32, the GGUF-loaded weights',
 // with GS = 32: on the Zen 5 VM the default model's 576 x 3072 product at 1 / 2 / 3 / 4 rows took 0.91x /
-// 0.85x / 0.76x / 0.69x the time of the runtime-size form, 2 threads).
+// 0.85x / 0.76x / 0.69x the time of the runtime-size form built beside it, 2 threads; against the build
+// before, where the same runtime-size form ran faster, 4 rows took 0.82-0.90x and 1-3 rows the same).
 template <class S, int BITS, Dtype DT, int NB, int MB, int GS>
 inline void fused(const QmmArgs& a, int n) {
   using V = typename S::V;
