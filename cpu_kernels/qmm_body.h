@@ -110,11 +110,12 @@ constexpr int64_t kPrefetchBytes = 16384;
 template <class S, int BITS>
 constexpr int kStep = BITS == 4 ? 2 * S::L : S::L;
 
-// Weight row n as float32 into out[0:x_len(a)] (the groups read, in order). GS as in `fused` (row_block
-// runs group size 32 with GS = 32: on the Zen 5 VM the 576 x 3072 product at 12 / 16 / 32 / 64 rows, through
-// the scratch, took 0.94-0.95x / 0.95x / 0.98x / 0.99x the time of the runtime-size form, 2 threads). Kernel order (NATURAL false): for bits 4 each block of 2L
-// values holds the even-indexed ones first, then the odd ones (x is reordered the same way, see
-// load_x in qmm.cpp); natural order (NATURAL true) is the weight's own, for the attention kernels' quantized rows.
+// Weight row n as float32 into out[0:x_len(a)] (the groups read, in order). Kernel order (NATURAL
+// false): for bits 4 each block of 2L values holds the even-indexed ones first, then the odd ones (x is
+// reordered the same way, see load_x in common.h); natural order (NATURAL true) is the weight's own, for
+// the attention kernels' quantized rows. GS as in `fused` (row_block runs group size 32 with GS = 32: on
+// the Zen 5 VM the 576 x 3072 product at 12 / 16 / 32 / 64 rows, through the scratch, took 0.94-0.95x /
+// 0.95x / 0.98x / 0.99x the time of the runtime-size form, 2 threads).
 template <class S, int BITS, bool NATURAL, int GS = 0>
 inline void dequant_row(const QmmArgs& a, int n, float* out) {
   using V = typename S::V;
@@ -328,9 +329,15 @@ inline void wide_rows(const QmmArgs& a, int n) {
   }
 }
 
-// Weight rows [n, n + NB) by fused_wide, `per_call` (1, 2 or 4) weight rows at a time.
+// Weight rows [n, n + NB) for all M rows in registers (M <= S::MB: fused; else fused_wide,
+// S::wide_rows_per_call(M) weight rows at a time), the group size GS as in `fused`.
 template <class S, int BITS, Dtype DT, int NB, int GS>
-inline void wide_block(const QmmArgs& a, int n, int per_call) {
+inline void register_block(const QmmArgs& a, int n) {
+  if (a.M <= S::MB) {
+    fused_rows<S, BITS, DT, NB, GS>(a, n);
+    return;
+  }
+  const int per_call = std::min(NB, S::wide_rows_per_call(a.M, BITS));
   constexpr int N4 = NB >= 4 ? 4 : 1, N2 = NB >= 2 ? 2 : 1;  // (no 4-row body for a 1-row block)
   if (per_call == 4) {
     for (int j = 0; j < NB; j += 4) wide_rows<S, BITS, DT, N4, GS>(a, n + j);
@@ -341,22 +348,17 @@ inline void wide_block(const QmmArgs& a, int n, int per_call) {
   }
 }
 
-// Weight rows [n, n + NB) for all M rows in registers (M <= S::MW); false when M needs the scratch.
+// Weight rows [n, n + NB) for all M rows in registers (M <= S::MB or M <= S::MW); false when M needs the
+// scratch.
 template <class S, int BITS, Dtype DT, int NB>
 inline bool fused_block(const QmmArgs& a, int n) {
-  if (a.M <= S::MB && a.group_size == 32) {
-    fused_rows<S, BITS, DT, NB, 32>(a, n);
-  } else if (a.M <= S::MB) {
-    fused_rows<S, BITS, DT, NB, 0>(a, n);
-  } else if (a.M <= S::MW) {
-    const int per_call = std::min(NB, S::wide_rows_per_call(a.M, BITS));
-    if (a.group_size == 32) {  // (the GGUF-loaded weights' group size)
-      wide_block<S, BITS, DT, NB, 32>(a, n, per_call);
-    } else {
-      wide_block<S, BITS, DT, NB, 0>(a, n, per_call);
-    }
-  } else {
+  if (a.M > S::MB && a.M > S::MW) {
     return false;
+  }
+  if (a.group_size == 32) {  // (the GGUF-loaded weights' group size)
+    register_block<S, BITS, DT, NB, 32>(a, n);
+  } else {
+    register_block<S, BITS, DT, NB, 0>(a, n);
   }
   return true;
 }
