@@ -19,8 +19,9 @@ Then the verify cost curve (unless --curve-rounds 0): the seconds of one forward
 tokens over a COST_CONTEXT-token cache, all logits computed and read back (what a verify of w - 1 draft
 tokens costs), for mlx-infer's kernel path, its float32 path and llama.cpp (a Llama with logits_all, its
 KV cache cut back to the context after each forward). Each round times every width of every path, the paths
-in turn, keeping the fastest of COST_REPEATS per width (mlx-infer's `measure_cost_curve`, the curve its
-speculative decoding prices rounds with); the table gives the median over rounds and each width's cost
+in turn, keeping the fastest of COST_REPEATS per width (mlx-infer's `measure_cost_curve`); the kernel path
+twice, each forward built by the model's Python and replayed as a compiled graph ("replayed": what its
+speculative loop runs and prices rounds with); the table gives the median over rounds and each width's cost
 against width 1. mlx-lm's native path (MLX's quantized matmul, a per-row loop on the CPU) is left out: its
 curve alone would take minutes.
 
@@ -224,9 +225,13 @@ def main():
     curves = {}
     if args.curve_rounds > 0:
         vocab = native.tokenizer.vocab_size
+        kernels = native.source.kernels or "MLX qmm"
         runners = {
-            f"mlx-infer (native, {native.source.kernels or 'MLX qmm'})":
+            f"mlx-infer (native, {kernels})":
                 lambda: measure_cost_curve(native.model, args.max_width, vocab, pipelined=False).seconds,
+            f"mlx-infer (native, {kernels}, replayed)":
+                lambda: measure_cost_curve(native.model, args.max_width, vocab, pipelined=False,
+                                           compiled=native.spec.forward()).seconds,
             "mlx-infer (float32)": lambda: measure_cost_curve(fast.model, args.max_width, vocab, pipelined=False).seconds,
         }
         peer = llama_cpp_curve(native.source.path, args.max_width) if native.source.kind in ("gguf", "default") else None

@@ -25,7 +25,6 @@ from common import machine  # noqa: E402
 from spec import load_prompts  # noqa: E402
 
 from mlx_infer.speculative.drafters.lookup import LookupDrafter  # noqa: E402
-from mlx_infer.speculative.cost import cost_curve  # noqa: E402
 
 
 def oracle_seconds(drafter, prompt_ids, answer, max_draft, curve) -> float:
@@ -52,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     limits = [int(x) for x in args.max_draft.split(",")]
     engine = mlx_infer.load(args.model)
-    curve = cost_curve(engine.spec.target, 9)  # the curve --max-draft auto uses; wider rounds extrapolate its slope
+    curve = engine.spec.curve(9)  # the curve --max-draft auto uses; wider rounds extrapolate its slope
     m = machine()
     print(f"model: {engine.source.name} ({engine.source.weights} weights); BLAS: {m['blas']}")
     print("cost curve ms: " + ", ".join(f"w{w} {s * 1e3:.1f}" for w, s in sorted(curve.seconds.items()))

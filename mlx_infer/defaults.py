@@ -20,7 +20,7 @@ DEFAULT_MAX_DRAFT = 8
 #: step does (kernels.paged_attention.PAGED_MAX_QUERIES); from 17 (kernels.prefill_attention's
 #: PREFILL_MIN_QUERIES) the tiled prefill path rounds otherwise, and greedy output could move at a near-tie.
 MAX_VERIFY_WIDTH = 16
-#: Speculative rounds between two mx.clear_cache() calls (mlx-lm's generate_step clears every 256 tokens).
+#: Plain steps / speculative rounds between two mx.clear_cache() calls (as mlx-lm's generate_step: every 256 tokens).
 CLEAR_CACHE_ROUNDS = 256
 #: Prompts of at least this many tokens get a prefill progress bar in the CLI (when stderr is a terminal).
 PREFILL_PROGRESS_TOKENS = 512

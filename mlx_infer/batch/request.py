@@ -8,7 +8,8 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
 from ..generation.assemble import StepAssembler
 from ..generation.results import GenerationStats, GenerationStep
-from ..generation.sampling import SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler
+from ..generation.sampling import (SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler,
+                                   pick_token)
 from ..kv.options import EvictSpec
 from ..kv.session import KVRequest
 from ..speculative import SpecOptions, SpecStats
@@ -83,19 +84,19 @@ class BatchRequest:
         return self.cache[0].sequence
 
     def sample(self, logits: mx.array, pending: Optional[mx.array] = None) -> mx.array:
-        """The next token from this request's logits [1, V] (as mlx-lm's generate_step: processors, then
-        log-softmax, then the sampler): uint32 [1], lazy. pending: the token [1] sampled but not yet accepted
-        (a pipelined step), part of the history the logits processors see."""
+        """The next token from this request's logits [1, V] (as plain decoding: processors, then
+        sampling.pick_token, with this request's own random key when seeded): [1], lazy. pending: the token
+        [1] sampled but not yet accepted (a pipelined step), part of the history the logits processors see."""
+        logits = logits.astype(mx.float32)  # as plain decoding and the speculative loop pick from
         if self.processors:
             history = mx.array((self.prompt_ids + self.generated)[-self.params.repetition_context_size:], mx.uint32)
             if pending is not None:
                 history = mx.concatenate([history, pending.astype(mx.uint32)])[-self.params.repetition_context_size:]
             for p in self.processors:
                 logits = p(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.key is None:
-            return self.sampler(logprobs)
-        token, self.key = self.keyed_sampler(logprobs, self.key)
+        if self.key is None or self.params.greedy:
+            return pick_token(logits, self.params, self.sampler)
+        token, self.key = self.keyed_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True), self.key)
         return token
 
     def accept(self, token: int) -> bool:

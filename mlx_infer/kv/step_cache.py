@@ -1,4 +1,4 @@
-"""One layer's KV storage inside a compiled one-token step (generation/compiled.py), positions as arrays.
+"""One layer's KV storage inside a compiled decode step (generation/compiled.py), positions as arrays.
 
     cache = StepCache(keys, values, offset, operands)        # an mlx-lm KVCache's buffers, offset int32 [1]
     cache = StepCache(k_plane, v_plane, offset, operands, rows)  # a block pool's planes, offset int32 [B]
@@ -23,15 +23,16 @@ __all__ = ["StepCache"]
 
 class StepCache:
     """mlx-lm's cache protocol (`offset`, `make_mask`, `update_and_fetch`) and `fused_attention` for the
-    attention hook, for one-token steps of B requests.
+    attention hook, for one-token steps of B requests (over a KVCache buffer, B = 1: L tokens, a verify
+    forward).
 
     Args:
         keys: the layer's key storage: an mlx-lm KVCache's buffer [1, n_kv, capacity, D] (B = 1, rows None),
             or a block pool's plane [n_kv * pool_rows, D] (rows given); values the same with Dv, one dtype.
         offset: int32 [B], each request's tokens before this one (its RoPE position; in a KVCache buffer
             also where the new row goes).
-        operands: (index int32 [B, n_kv, S], lengths int32 [B], q_pos int32 [B, 1], k_pos int32 [B, S]):
-            the paged-attention kernel's view of the storage, the new token included
+        operands: (index int32 [B, n_kv, S], lengths int32 [B], q_pos int32 [B, L], k_pos int32 [B, S]):
+            the paged-attention kernel's view of the storage, the new tokens included
             (kernels.dense_attention.buffer_tables for a buffer, BatchStep.kernel_operands for a pool).
         rows: int32 [B * n_kv], the pool rows of the new tokens' K/V, (b, head) order (BatchStep.write_rows).
     """
@@ -41,11 +42,12 @@ class StepCache:
         self.keys, self.values, self.offset, self.operands, self.rows = keys, values, offset, operands, rows
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
-        """None: the one query sees every token written so far (the kernel stops at `lengths`)."""
+        """None: each query sees the tokens written up to its own position (the kernel stops at `lengths` and
+        at the query's q_pos)."""
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
-        """Write the step's K [B, n_kv, 1, D] and V [B, n_kv, 1, Dv] (in place: the old storage is donated);
+        """Write the step's K [B, n_kv, L, D] and V [B, n_kv, L, Dv] (in place: the old storage is donated);
         returns the whole new storage (attention reads it through fused_attention, only the live slots)."""
         if self.rows is None:  # [1, n_kv, capacity, D]
             self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
@@ -56,5 +58,5 @@ class StepCache:
         return self.keys, self.values
 
     def fused_attention(self, queries: mx.array, scale: float, mask) -> mx.array:
-        """queries [B, n_q, 1, D] -> [B, n_q, 1, Dv] over each request's live slots (the paged kernel)."""
+        """queries [B, n_q, L, D] -> [B, n_q, L, Dv] over each request's live slots (the paged kernel)."""
         return paged_attention(queries, self.keys, self.values, *self.operands, scale)

@@ -1,9 +1,10 @@
 """What speculative decoding keeps per target model: `SpecState`, owned by the Engine.
 
 It holds the draft models and block drafters loaded for the target (each loaded once), the cost curves
-and calibration priors (measured once per model and
-machine and cached on disk by cost.py / calibrate.py, memoized here), and turns a request's validated
-SpecOptions into a token iterator: choose the drafter, choose the draft-length policy, run the loop.
+and calibration priors (measured once per model and machine and cached on disk by cost.py / calibrate.py,
+memoized here), the target's compiled verify forwards (whose traces serve every request), and turns a
+request's validated SpecOptions into a token iterator: choose the drafter, choose the draft-length policy,
+run the loop.
 """
 
 from pathlib import Path
@@ -12,8 +13,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..defaults import DEFAULT_MAX_DRAFT
+from ..defaults import DEFAULT_MAX_DRAFT, MAX_VERIFY_WIDTH
 from ..errors import MlxInferError
+from ..generation.compiled import CompiledDecode, module_fingerprint
 from ..generation.sampling import SamplingParams
 from .calibrate import drafter_prior
 from .cost import CostCurve, cost_curve
@@ -56,6 +58,15 @@ class SpecState:
         self._priors: Dict[str, object] = {}
         self._object_priors: List[Tuple[nn.Module, object]] = []  # (model object, prior): ident-less drafters
         self._skip: Optional[List[int]] = None
+        self._forward: Optional[Tuple[tuple, CompiledDecode]] = None  # (module fingerprint, compiled forwards)
+
+    def forward(self) -> CompiledDecode:
+        """The target's forwards of up to MAX_VERIFY_WIDTH tokens as compiled graphs (generation/compiled.py),
+        kept while its modules stay the same: the loop's rounds and the cost curve run them."""
+        fingerprint = module_fingerprint(self.target.model)
+        if self._forward is None or self._forward[0] != fingerprint:
+            self._forward = (fingerprint, CompiledDecode(self.target.model, MAX_VERIFY_WIDTH))
+        return self._forward[1]
 
     # -- measurements (memoized; cached on disk below) ------------------------------------------------
 
@@ -64,7 +75,7 @@ class SpecState:
         have = [w for w in self._curves if w >= width]
         if have:
             return self._curves[min(have)]
-        curve = self._curves[width] = cost_curve(self.target, width, say)
+        curve = self._curves[width] = cost_curve(self.target, width, say, self.forward())
         return curve
 
     @staticmethod
@@ -244,5 +255,5 @@ class SpecState:
             stats.mode = "off"
             return None
         return speculative_tokens(self.target.model, prompt_ids, params, max_tokens, drafter, policy, stats,
-                                  cache=cache, start=start, progress=progress)
+                                  cache=cache, start=start, progress=progress, compiled=self.forward())
 

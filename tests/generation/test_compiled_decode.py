@@ -1,7 +1,8 @@
-"""Compiled one-token steps (generation/compiled.py): plain decoding's, the same logits and caches as the
-model's own forward bit for bit across a KV buffer's growth, and the engine's tokens unchanged by it; a
-batched step's, the same logits as the model's batched forward across a key bucket and a request leaving;
-both replayed without running the model's Python."""
+"""Compiled decode steps (generation/compiled.py): plain decoding's one-token steps and speculative
+decoding's verify forwards, the same logits and caches as the model's own forward bit for bit across a KV
+buffer's growth, and the engine's and the speculative loop's tokens unchanged by them; a batched step's, the
+same logits as the model's batched forward across a key bucket and a request leaving; all replayed without
+running the model's Python."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -9,13 +10,17 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_infer.generation import compiled
+from mlx_infer.defaults import MAX_VERIFY_WIDTH
 from mlx_infer.generation.compiled import COMPILE_AFTER_STEPS, CompiledBatchStep, CompiledDecode
+from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.kernels import cpu
 from mlx_infer.kv import make_paged_cache, make_pool
 from mlx_infer.kv.attention_hook import install as install_attention_hook
 from mlx_infer.kv.batch import BatchStep
 from mlx_infer.kv.quant_cache import make_quant_cache
 from mlx_infer.kv.quant_options import kv_quant
+from mlx_infer.speculative.drafters.lookup import LookupDrafter
+from mlx_infer.speculative.loop import SpecStats, speculative_tokens
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built here: " + (cpu.why_not() or ""))
 
@@ -65,6 +70,61 @@ def test_same_logits_and_caches_as_the_model_across_buffer_growth(request, fixtu
         assert mx.array_equal(a.state[0], b.state[0]).item() and mx.array_equal(a.state[1], b.state[1]).item()
     # two traces (capacities 256 and 512) and the one step that grew the buffer: the other 9 were replays
     assert counting.calls == 3
+
+
+@pytest.mark.parametrize("fixture", ["default_engine_native", "default_engine"])
+def test_verify_widths_replay_with_the_same_logits_and_caches(request, fixture):
+    """A CompiledDecode of verify widths: forwards of 2, 5, 9 and 16 tokens over 240 cached ones (the 16-token
+    one ends at the buffer's 256 slots), twice each with the same tokens, give the logits and K/V rows of the
+    model's own forwards bit for bit; the model's Python runs once per width (its trace), then replays. A
+    forward past the buffer (it must grow) and one of 17 tokens run the model."""
+    model = request.getfixturevalue(fixture).model
+    prompt = [(5 * i) % (model.args.vocab_size - 20) + 10 for i in range(240)]
+    counting = Counting(model)
+    fast = CompiledDecode(counting, MAX_VERIFY_WIDTH)
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=ours), model(mx.array(prompt)[None], cache=theirs))
+    widths = (2, 5, 9, 16)
+    for width in widths * 2:
+        block = mx.array([(3 * j) % 500 + 7 for j in range(width)])[None]
+        a, b = fast(block, cache=ours), model(block, cache=theirs)
+        mx.eval(a, b)
+        assert a.shape == (1, width, b.shape[-1]) and mx.array_equal(a, b).item(), width
+        for x, y in zip(ours, theirs):
+            assert x.offset == y.offset == 240 + width
+            assert mx.array_equal(x.state[0], y.state[0]).item() and mx.array_equal(x.state[1], y.state[1]).item()
+            x.trim(width)
+            y.trim(width)
+    assert counting.calls == len(widths)
+    grow = mx.array([[9] * 17])
+    assert mx.array_equal(fast(grow, cache=ours), model(grow, cache=theirs)).item()  # 17 tokens
+    assert counting.calls == len(widths) + 1
+    mx.eval(fast(mx.array([[9] * 16]), cache=ours), model(mx.array([[9] * 16]), cache=theirs))  # to 273: grows
+    assert counting.calls == len(widths) + 2 and ours[0].keys.shape[2] > 256
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=4)])
+def test_speculative_rounds_replay_and_keep_their_tokens(default_engine_native, params):
+    """Prompt lookup with drafts of 4 on a repetitive prompt: with the compiled verify forwards the loop's
+    tokens equal those of the model's own forwards (greedy, and seeded sampling), the rounds drafted, and
+    after the first request (its traces: at most one per width) the next one runs no forward through the
+    model's Python (the prefill does not go through it)."""
+    model = default_engine_native.model
+    prompt = default_engine_native.encode("one two three four five six, one two three four five six, one two")
+    counting = Counting(model)
+    fast = CompiledDecode(counting, MAX_VERIFY_WIDTH)
+
+    def run(compiled):
+        stats = SpecStats()
+        tokens = list(speculative_tokens(model, prompt, params, 24, LookupDrafter(), 4, stats, compiled=compiled))
+        return tokens, stats
+
+    theirs, _ = run(None)
+    ours, stats = run(fast)
+    assert ours == theirs and stats.proposed and stats.rounds < 24
+    assert 1 <= counting.calls <= 5  # traced: the rounds went through the compiled forwards
+    traced = counting.calls
+    assert run(fast)[0] == theirs and counting.calls == traced
 
 
 def test_prefill_and_other_caches_run_the_model(default_engine_native):

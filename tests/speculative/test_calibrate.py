@@ -107,7 +107,7 @@ def test_auto_leaves_out_a_block_drafter_that_cannot_pay(target, tmp_path, monke
     save_dflash_model(random_dflash(seed=7), tmp_path / "d")
     registry = tmp_path / "registry.json"
     registry.write_text(json.dumps({"drafters": [{"match": ["tiny"], "kind": "dflash", "path": "d"}]}))
-    monkeypatch.setattr(state_mod, "cost_curve", lambda target, width, say=None: CostCurve(
+    monkeypatch.setattr(state_mod, "cost_curve", lambda target, width, say=None, compiled=None: CostCurve(
         {w: 1.0 + 0.1 * (w - 1) for w in range(1, width + 1)}, 1.0))
     monkeypatch.setattr(state_mod, "drafter_prior", lambda target, drafter, say=None: Prior(acceptance, 4.0, draft_cost))
     state = SpecState(make_target(target), registry=registry)

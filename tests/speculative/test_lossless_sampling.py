@@ -50,9 +50,10 @@ def _drafter(name, cycle_draft):
 
 
 def test_exact_joint_is_what_plain_decoding_samples(cycle, flat):
-    """Along plain decoding's own paths (mlx-lm's generate_step with our sampler and logits processors, as
-    plain_tokens runs it), every step's sampling distribution equals the enumerated conditional: the same
-    logits, the penalty with the same history; and plain_tokens draws the same tokens for the same seed."""
+    """Along plain decoding's own paths (mlx-lm's generate_step with our sampler and logits processors),
+    every step's sampling distribution equals the enumerated conditional: the same logits, the penalty with
+    the same history; and plain_tokens (its own loop of the same steps) draws the same tokens for the same
+    seed."""
     for scenario in (cycle, flat):
         params, joint = scenario.params, scenario.joint
         for seed in range(8):
@@ -88,6 +89,17 @@ def test_speculative_sampling_matches_exact(cycle, cycle_draft, drafter, gamma):
     floor, and acceptance at every draft position 2..gamma lies strictly between 0 and 1 (at least 10 rounds
     each way)."""
     check_lossless(cycle, _drafter(drafter, cycle_draft), gamma, N)
+
+
+def test_rounds_without_a_draft_sample_as_plain_decoding(cycle):
+    """Rounds that verify no draft (sample_plain: a categorical draw on the processed logits, no softmax
+    between): with max_draft 0 every round is one, and the first K_MAX tokens of 1000 seeded requests fit
+    the exact joint within the noise floor."""
+    samples = np.array([list(speculative_tokens(cycle.target, cycle.prompt, cycle.params.with_(seed=s), K_MAX,
+                                                LookupDrafter(), 0)) for s in range(N)])
+    fit, floor = cycle.fit(K_MAX, N)
+    z, detail = fit.judge(samples, floor)
+    assert z < floor.limit, (z, floor.limit, detail)
 
 
 @pytest.mark.slow

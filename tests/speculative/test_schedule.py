@@ -153,7 +153,7 @@ def test_a_curve_inconsistent_every_time_is_kept_with_its_plain_step_capped(make
     monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
     calls = []
 
-    def busy(model, max_width, vocab_size, pipelined=True):
+    def busy(model, max_width, vocab_size, pipelined=True, compiled=None):
         calls.append(max_width)
         return CostCurve({int(k): v for k, v in BUSY_CURVE["seconds"].items()}, BUSY_CURVE["plain_step"])
 
