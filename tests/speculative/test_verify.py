@@ -10,7 +10,7 @@ from distribution import Fit, Joint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_infer.speculative.verify import verify_greedy, verify_sampling
+from mlx_infer.speculative.verify import probabilities, verify_greedy, verify_sampling
 
 V = 6
 
@@ -171,3 +171,20 @@ def test_sampling_frequencies(g, deterministic):
     floor = fit.floor(trials)
     z, detail = fit.judge(out, floor)
     assert z < floor.limit, (z, floor.limit, detail)
+
+
+def test_probabilities_are_softmax_with_masked_entries_zero():
+    """probabilities (the CPU kernel's softmax where it runs): rows of a 49,152-token vocabulary with large
+    logits and top-k style -inf masks equal NumPy's float64 softmax within 1e-4 of each probability
+    (relative), masked entries exactly 0, each row summing to 1 within 1e-4."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 49152)) * 4 + 30).astype(np.float32)
+    x[1, 100:40000] = -np.inf
+    x[2, :-3] = -np.inf  # three tokens left
+    got = np.array(probabilities(mx.array(x)))
+    shifted = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    want = shifted / shifted.sum(-1, keepdims=True)
+    assert np.all(got[np.isinf(x)] == 0) and not np.isnan(got).any()
+    live = want > 1e-30
+    assert np.max(np.abs(got[live] - want[live]) / want[live]) < 1e-4
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-4)
