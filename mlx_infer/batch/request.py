@@ -9,7 +9,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from ..generation.assemble import StepAssembler
 from ..generation.results import GenerationStats, GenerationStep
 from ..generation.sampling import (SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler,
-                                   pick_token)
+                                   pick_token, sampler_input)
 from ..kv.options import EvictSpec
 from ..kv.session import KVRequest
 from ..speculative import SpecOptions, SpecStats
@@ -96,7 +96,7 @@ class BatchRequest:
                 logits = p(history, logits)
         if self.key is None or self.params.greedy:
             return pick_token(logits, self.params, self.sampler)
-        token, self.key = self.keyed_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True), self.key)
+        token, self.key = self.keyed_sampler(sampler_input(logits, self.params), self.key)
         return token
 
     def accept(self, token: int) -> bool:

@@ -125,7 +125,8 @@ class SamplingParams:
 
 
 def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler for these parameters: logprobs [B, V] float -> token ids [B] uint32."""
+    """mlx-lm's sampler for these parameters: logprobs [B, V] float (or logits: see sampler_input) -> token ids
+    [B] uint32."""
     return make_sampler(
         temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
     )
@@ -133,17 +134,28 @@ def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
 
 def pick_token(logits: mx.array, params: SamplingParams, sampler: Callable[[mx.array], mx.array]) -> mx.array:
     """Plain decoding's next token from logits [B, V] float32 (logits processors applied): greedy, the argmax
-    of the logits themselves; sampling, `sampler` (build_sampler) on their log-softmax, as mlx-lm's
-    generate_step. token ids [B], lazy.
+    of the logits themselves; sampling, `sampler` (build_sampler) on them, normalized to log-probabilities
+    first only for top-p (sampler_input). token ids [B], lazy.
 
-    Greedy skips the log-softmax mlx-lm takes first: the same argmax (but where float rounding of the
-    subtraction would tie two logits), without an exp over the vocabulary, which MLX's CPU backend computes
-    one element at a time (0.5 ms for the default model's 49,152 logits, about 9% of a decode step on a Zen 5
-    VM). The speculative loop's greedy verify (speculative/verify.py) and batched decoding pick the same way.
+    mlx-lm's generate_step takes a log-softmax before every token. Its argmax is the logits' own (but where
+    float rounding of the subtraction would tie two logits), and mlx-lm's sampler does not depend on it (its
+    categorical draw, min-p and top-k are the same for logits shifted by a constant) except for top-p, whose
+    mask compares cumulative probabilities. Skipping it saves an exp over the vocabulary, which MLX's CPU
+    backend computes one element at a time: 0.5 ms for the default model's 49,152 logits, about 9% of a
+    decode step on a Zen 5 VM. The speculative loop (speculative/verify.process_logits) and batched decoding
+    pick the same way.
     """
     if params.greedy:
         return mx.argmax(logits, axis=-1)
-    return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return sampler(sampler_input(logits, params))
+
+
+def sampler_input(logits: mx.array, params: SamplingParams) -> mx.array:
+    """What mlx-lm's sampler is given (see pick_token): logits [B, V] float32 as they are, or their
+    log-softmax for top-p."""
+    if 0 < params.top_p < 1.0:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits
 
 
 def build_keyed_sampler(params: SamplingParams) -> Callable[[mx.array, mx.array], Tuple[mx.array, mx.array]]:

@@ -1,10 +1,15 @@
-"""Sampling parameters: validation, errors a user can cause, reproducible seeded sampling."""
+"""Sampling parameters: validation, errors a user can cause, reproducible seeded sampling, and the
+distribution plain decoding's token pick draws from."""
 
 import math
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_infer import MlxInferError, SamplingParams
+from mlx_infer.generation.sampling import build_sampler, pick_token
 
 
 @pytest.mark.parametrize(
@@ -111,3 +116,35 @@ def test_an_unknown_sampling_option_is_one_line_naming_the_options():
     with pytest.raises(MlxInferError, match=r"unknown option 'max_token'; the sampling options are .*max_tokens"):
         SamplingParams().with_(max_token=10)
     assert SamplingParams().with_(max_tokens=10).max_tokens == 10
+
+
+#: One row of logits, shifted far from 0: exp() of the unnormalized row overflows float32, so a top-p mask
+#: given it without the log-softmax would break.
+ROW = np.array([2.0, 1.5, 1.2, 0.3, -0.1, -0.4, -1.0, -2.5], dtype=np.float32) + 100.0
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.8}, {"temperature": 1.3, "top_k": 5, "min_p": 0.05},
+                                    {"temperature": 0.7, "top_p": 0.8}])
+def test_pick_token_draws_the_filtered_softmax(kwargs):
+    """pick_token (plain decoding's draw: mlx-lm's sampler, given the log-softmax only for top-p): 20,000
+    draws from ROW hit each token as often as the exact distribution says, within 4 standard errors. The
+    expectation: mlx-lm's own filters (top-p, min-p, top-k, in make_sampler's order) on the row's
+    log-softmax computed in float64 NumPy, then a NumPy softmax at the temperature."""
+    params = SamplingParams(**kwargs)
+    logprobs = ROW.astype(np.float64) - np.log(np.exp(ROW.astype(np.float64) - ROW.max()).sum()) - ROW.max()
+    kept = mx.array(logprobs.astype(np.float32))[None]
+    if 0 < params.top_p < 1:
+        kept = apply_top_p(kept, params.top_p)
+    if params.min_p:
+        kept = apply_min_p(kept, params.min_p)
+    if params.top_k:
+        kept = apply_top_k(kept, params.top_k)
+    scaled = np.array(kept[0]).astype(np.float64) / params.temperature
+    want = np.exp(scaled - scaled.max())
+    want /= want.sum()
+    n = 20000
+    mx.random.seed(5)
+    drawn = np.array(pick_token(mx.broadcast_to(mx.array(ROW)[None], (n, ROW.size)), params, build_sampler(params)))
+    got = np.bincount(drawn, minlength=ROW.size) / n
+    assert np.all(np.abs(got - want) <= 4 * np.sqrt(want * (1 - want) / n) + 1e-9), (got, want)
+    assert (want == 0).sum() == {0.8: 0, 1.3: 3, 0.7: 5}[params.temperature]  # the filters did cut
