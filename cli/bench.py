@@ -56,8 +56,9 @@ def bench(
     the quantized KV cache.
     """
     with user_errors(verbose):
-        if trials < 1 or max_tokens < 1:
-            raise MlxInferError("--trials and --max-tokens must be >= 1")
+        for flag, value in (("--trials", trials), ("--max-tokens", max_tokens)):
+            if value < 1:
+                raise MlxInferError(f"{flag} must be >= 1, got {value}")
         kv_quant(kv_bits)  # a bad --kv-bits fails before the model loads
         if concurrency is not None:
             if spec or draft_model:

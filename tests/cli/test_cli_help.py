@@ -100,3 +100,11 @@ def test_usage_errors_are_one_line_and_exit_2(run_cli):
 def test_no_arguments_prints_the_help(run_cli):
     proc = run_cli()
     assert "generate" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_names_the_bad_count(run_cli):
+    """bench's --trials and --max-tokens below 1: one error line naming the flag and the value given."""
+    for flag, value in (("--trials", "0"), ("--max-tokens", "-2")):
+        proc = run_cli("bench", flag, value)
+        assert_user_error(proc)
+        assert f"{flag} must be >= 1, got {value}" in proc.stderr, proc.stderr
