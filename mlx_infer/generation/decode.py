@@ -1,7 +1,8 @@
 """Plain decoding: one token per target forward, each step built while the previous one computes, as
 mlx-lm's generate_step runs them (its one-token steps over mlx-lm's dense KVCache replayed as a compiled
-graph where generation/compiled.py applies). Its own loop rather than generate_step's so that a greedy
-step takes the argmax of the logits without their log-softmax first (sampling.pick_token)."""
+graph where generation/compiled.py applies). Its own loop rather than generate_step's so that a token is
+picked without a log-softmax over the vocabulary first (sampling.pick_token: greedy, and sampling without
+top-p)."""
 
 import threading
 from typing import Callable, Iterator, List, Optional
@@ -14,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..defaults import CLEAR_CACHE_ROUNDS, PREFILL_STEP_SIZE
 from .compiled import CompiledDecode
 from .sampling import SamplingParams, build_logits_processors, build_sampler, pick_token
+
 
 def decode_stream() -> mx.Stream:
     """The stream decoding runs on: mlx-lm's generation stream on the main thread, the calling thread's own
@@ -29,7 +31,8 @@ def plain_tokens(model: nn.Module, prompt_ids: List[int], params: SamplingParams
                  progress: Optional[Callable[[int, int], None]] = None,
                  compiled: Optional[CompiledDecode] = None) -> Iterator[int]:
     """Token ids of plain autoregressive decoding, as `mlx_lm.stream_generate` produces them (greedy: the
-    argmax of the logits, see sampling.pick_token; sampling: mlx-lm's sampler on the log-softmax).
+    argmax of the logits; sampling: mlx-lm's sampler, given the log-softmax only for top-p; see
+    sampling.pick_token).
 
     Args:
         model: an mlx-lm model.
