@@ -37,7 +37,8 @@ They run where all of that holds: every layer's attention an mlx-lm llama / qwen
 twins (kernels/rope.KernelRoPEAttention) calling the attention hook, no sliding-window layers, the
 paged-attention kernel present (MLX's CPU device with the CPU kernels), no RMM products scope open; for
 plain decoding one token (a verify forward up to max_width tokens) over mlx-lm's KVCache on every layer,
-room in its buffer for them; for a batched step float blocks and no eviction in the batch. Anything else runs the model as it is.
+room in its buffer for them; for a batched step float blocks and no eviction in the batch. Anything else
+runs the model as it is.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -125,7 +126,7 @@ class CompiledDecode:
         _, n_kv, capacity, _ = buffers[0].shape
         L = tokens.shape[1]
         index, k_pos = buffer_tables(1, n_kv, capacity)  # constants of this capacity's trace
-        q_pos = offset.reshape(1, 1) if L == 1 else (offset + mx.arange(L, dtype=mx.int32)).reshape(1, L)
+        q_pos = (offset + mx.arange(L, dtype=mx.int32)).reshape(1, L)  # each query's position
         return _step(self.model, tokens, offset, (index, offset + L, q_pos, k_pos), buffers)
 
     def _replays(self, inputs: mx.array, cache: List, input_embeddings) -> bool:

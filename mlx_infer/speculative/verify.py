@@ -12,8 +12,9 @@ Each round commits n + 1 tokens: x_1..x_n and then the recovered or bonus token.
 
 "Processed" means exactly what plain decoding picks from (see `process_logits`): mlx-lm's logits
 processors (repetition penalty) with the history each position would have in plain decoding; greedy, their
-argmax (as generation/sampling.pick_token); sampling, then mlx-lm's top-p, min-p and top-k masks in the order
-`mlx_lm.sample_utils.make_sampler` applies them, then temperature. Speculative sampling: arXiv 2211.17192 (Leviathan et al.), 2302.01318 (Chen et al.).
+argmax (as generation/sampling.pick_token); sampling, then mlx-lm's top-p, min-p and top-k masks in the
+order `mlx_lm.sample_utils.make_sampler` applies them, then temperature. Speculative sampling: arXiv
+2211.17192 (Leviathan et al.), 2302.01318 (Chen et al.).
 
 Every function here returns MLX arrays and never synchronizes with the host; the caller evaluates the
 accepted count and the next token together (one host sync per round).
@@ -24,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..generation.sampling import SamplingParams
+from ..generation.sampling import SamplingParams, sampler_input
 from ..kernels.prefill_attention import causal_softmax
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -70,10 +71,10 @@ def process_logits(
         logits = mx.concatenate(rows, axis=0)
     if params.greedy:
         return logits
-    logprobs = logits  # [g+1, V]
+    logprobs = sampler_input(logits, params)  # [g+1, V], what plain decoding's sampler is given
     # Same chain and order as mlx_lm.sample_utils.make_sampler.
     if 0 < params.top_p < 1.0:
-        logprobs = apply_top_p(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params.top_p)
+        logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p, 1)
     if params.top_k > 0:
