@@ -160,10 +160,10 @@ def sampler_input(logits: mx.array, params: SamplingParams) -> mx.array:
 
 def build_keyed_sampler(params: SamplingParams) -> Callable[[mx.array, mx.array], Tuple[mx.array, mx.array]]:
     """The sampler of `build_sampler` drawing from an explicit MLX random key instead of the global state:
-    (logprobs [B, V], key) -> (token ids [B] uint32, the next key). The same filters in mlx-lm's order (top_p,
-    min_p, top_k) and the same draw: from key(seed) it gives the tokens `build_sampler` gives after
-    mx.random.seed(seed) (MLX splits its global key the same way), so one request's samples do not depend on
-    what else draws in the process."""
+    (logprobs [B, V] (or logits: see sampler_input), key) -> (token ids [B] uint32, the next key). The same
+    filters in mlx-lm's order (top_p, min_p, top_k) and the same draw: from key(seed) it gives the tokens
+    `build_sampler` gives after mx.random.seed(seed) (MLX splits its global key the same way), so one
+    request's samples do not depend on what else draws in the process."""
     def sample(logprobs: mx.array, key: mx.array) -> Tuple[mx.array, mx.array]:
         if params.greedy:
             return mx.argmax(logprobs, axis=-1), key
