@@ -11,23 +11,31 @@ from .blas import preload_optimized_blas
 preload_optimized_blas()
 
 import inspect  # noqa: E402
-from typing import Callable, Optional, Union  # noqa: E402
+from typing import Any, Callable, Optional, Union  # noqa: E402
 
+from .batch import BatchRunner, RequestHandle  # noqa: E402
 from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  # noqa: E402
-from .errors import MlxInferError  # noqa: E402
+from .errors import InvalidGGUFError, MlxInferError, ModelNotFoundError, UnsupportedModelError  # noqa: E402
 from .generation.sampling import SamplingParams  # noqa: E402
+from .kv.errors import KVBudgetError  # noqa: E402
 from .loading import load_model  # noqa: E402
 from .rmm.apply import reduce_model  # noqa: E402
 from .rmm.options import Retention, parse_rmm  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
-           "MlxInferError", "__version__"]
+#: The public API (docs/api.md; tests/test_public_api.py holds every name here to a docstring and to the docs).
+__all__ = [
+    "load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
+    "BatchRunner", "RequestHandle", "Retention",
+    "MlxInferError", "ModelNotFoundError", "UnsupportedModelError", "InvalidGGUFError", "KVBudgetError",
+    "__version__",
+]
 
 
-def load(model: Optional[str] = None, *, weights: str = "auto", progress: Optional[Callable] = None,
-         kv_cache: str = "dense", kv_budget=None, block_size: int = 16, rmm: Union[None, str, Retention] = None,
-         **kv_quant) -> Engine:
+def load(model: Optional[str] = None, *, weights: str = "auto",
+         progress: Optional[Callable[[int, int, str], None]] = None, kv_cache: str = "dense",
+         kv_budget: Union[None, int, float, str] = None, block_size: int = 16,
+         rmm: Union[None, str, Retention] = None, **kv_quant: Any) -> Engine:
     """Load a model and return an Engine.
 
     Args:

@@ -2,7 +2,7 @@
 GenerationResult (a finished request)."""
 
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 
 @dataclass
@@ -58,7 +58,8 @@ class GenerationStats:
     kv: Optional[dict] = None
     rmm: Optional[str] = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> Dict[str, Any]:
+        """The stats as a JSON-ready dict, one key per attribute (what `--json` and the server print)."""
         return asdict(self)
 
 
@@ -90,7 +91,8 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats = field(default_factory=GenerationStats)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> Dict[str, Any]:
+        """The result as a JSON-ready dict: text, token_ids, finish_reason and stats (GenerationStats.to_dict)."""
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "stats": self.stats.to_dict()}
 
@@ -98,11 +100,13 @@ class GenerationResult:
 def collect(steps: Iterable[GenerationStep]) -> GenerationResult:
     """The GenerationResult of a request's steps (text joined, token ids, the last step's finish reason and
     stats). Raises ValueError when the steps end without a final one."""
-    text, ids = [], []
+    text: List[str] = []
+    ids: List[int] = []
     for step in steps:
         text.append(step.text)
         if step.token is not None:
             ids.append(step.token)
         if step.finish_reason is not None:
-            return GenerationResult("".join(text), ids, step.finish_reason, step.stats)
+            stats = step.stats if step.stats is not None else GenerationStats()
+            return GenerationResult("".join(text), ids, step.finish_reason, stats)
     raise ValueError("the request's steps ended without a final step")

@@ -6,7 +6,7 @@ sampler can poison later calls in the same process.
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
@@ -91,7 +91,7 @@ class SamplingParams:
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise MlxInferError("stop strings must be non-empty strings")
 
-    def with_(self, **changes) -> "SamplingParams":
+    def with_(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (validated again).
 
         Raises:
@@ -121,6 +121,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether tokens are picked by argmax (temperature 0)."""
         return self.temperature == 0
 
 

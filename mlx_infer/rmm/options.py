@@ -14,7 +14,7 @@ same text for every way of writing the same retention.
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from ..errors import MlxInferError
 from .defaults import RMM_PRESETS
@@ -96,7 +96,7 @@ class Retention:
         exact components left out. Two spellings of the same retention give the same text, and
         parse_rmm of it gives back the same rho for every component and layer."""
         items = {c: _component_items(self, c) for c in COMPONENTS}
-        out = []
+        out: List[str] = []
         for group in _CANONICAL_GROUPS:
             names = COMPONENT_GROUPS.get(group, (group,))
             if any(c not in items for c in names) or len({tuple(items[c]) for c in names}) != 1:
@@ -117,7 +117,7 @@ _CANONICAL_GROUPS = ("all", "linear", "attn", "mlp") + COMPONENTS
 _CanonicalItem = Tuple[Optional[int], Optional[int], float]
 
 
-def _component_items(retention: Retention, component: str) -> list:
+def _component_items(retention: Retention, component: str) -> List[_CanonicalItem]:
     """The canonical items of one component: its layer-free rho (when not 1), then the maximal layer ranges
     whose rho differs from it."""
     base = retention.rho(component)
@@ -128,7 +128,7 @@ def _component_items(retention: Retention, component: str) -> list:
             if last is not None:
                 starts.add(last + 1)
     bounds = sorted(starts)
-    ranges = []  # (first, last, rho), merged where neighbours agree
+    ranges: List[Tuple[int, Optional[int], float]] = []  # (first, last, rho), merged where neighbours agree
     for i, first in enumerate(bounds):
         last = bounds[i + 1] - 1 if i + 1 < len(bounds) else None
         value = retention.rho(component, first)
@@ -136,7 +136,7 @@ def _component_items(retention: Retention, component: str) -> list:
             ranges[-1] = (ranges[-1][0], last, value)
         else:
             ranges.append((first, last, value))
-    items = [] if base >= 1.0 else [(None, None, base)]
+    items: List[_CanonicalItem] = [] if base >= 1.0 else [(None, None, base)]
     for first, last, value in ranges:
         if value == base:
             continue
@@ -199,7 +199,8 @@ def parse_rmm(text: Union[None, str, Retention]) -> Optional[Retention]:
         raise _type_error(text)
     if text is None or text.strip().lower() in ("", "off", "none"):
         return None
-    rules, layer_items = [], []
+    rules: List[Rule] = []
+    layer_items: List[LayerItem] = []
     for raw in text.split(","):
         item = raw.strip().lower()
         if not item:
@@ -209,7 +210,8 @@ def parse_rmm(text: Union[None, str, Retention]) -> Optional[Retention]:
             if item not in RMM_PRESETS:
                 raise MlxInferError(f"rmm: unknown preset {item!r}; use one of {', '.join(RMM_PRESETS)} or "
                                     "component=rho items (e.g. attn=0.5,mlp=0.9)")
-            rules.extend(parse_rmm(RMM_PRESETS[item]).rules)
+            preset = parse_rmm(RMM_PRESETS[item])
+            rules.extend(preset.rules if preset is not None else ())
             continue
         m = _ITEM.match(item)
         if not m:
