@@ -93,3 +93,28 @@ def test_every_package_is_installed():
     listed = set(re.findall(r'"([^"]+)"', block))
     found = {module_name(p) for p in sources() if is_package(p)}
     assert found - listed == set()
+
+
+def layout_block() -> str:
+    """The code block under CONTRIBUTING.md's "## Layout" heading."""
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    return re.search(r"^## Layout\n+```\n(.*?)^```", text, re.S | re.M).group(1)
+
+
+def test_contributing_layout_names_every_package():
+    """CONTRIBUTING.md's layout names every package folder of the library (as `name/`, indented under its
+    parent), so that a reader finds every room of the house there."""
+    lines = layout_block().splitlines()
+    named = set()
+    stack = []  # (indent, folder) of the folders open above the current line
+    for line in lines:
+        m = re.match(r"^( *)(\S+)/ ", line + " ")
+        if not m:
+            continue
+        indent = len(m.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, m.group(2)))
+        named.add("/".join(f for _, f in stack))
+    found = {str(p.parent.relative_to(REPO)) for p in (REPO / "mlx_infer").rglob("__init__.py")}
+    assert found - named == set()
