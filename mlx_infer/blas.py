@@ -4,12 +4,12 @@ Nothing here imports MLX: `preload_optimized_blas` must run before `mlx.core` is
 
 On Linux the `mlx[cpu]` wheel links a bundled reference BLAS (a few GFLOP/s). Loading an
 optimized BLAS (OpenBLAS) into the global symbol scope before `mlx.core` is imported makes MLX's
-float matmuls resolve to it: about 8x faster here. `mlx_infer` does this on import when it can;
+float matmuls resolve to it, several times faster (docs/cpu.md). `mlx_infer` does this on import when it can;
 `MLX_INFER_BLAS=reference` turns it off.
 
 OpenBLAS picks its kernels from the CPU model it recognizes, and a build older than the CPU falls back
-to its SSE3 kernels ("Prescott"): Debian 12's OpenBLAS 0.3.21 does so on Sapphire Rapids, 4-5x slower
-on a prefill-sized matmul than its AVX-512 kernels. So on x86-64 the kernel family is named from the
+to its SSE3 kernels ("Prescott"): Debian 12's OpenBLAS 0.3.21 does so on Sapphire Rapids, far slower
+on a prefill-sized matmul than its AVX-512 kernels (docs/cpu.md). So on x86-64 the kernel family is named from the
 CPU's feature flags (OPENBLAS_CORETYPE) before loading, unless the user already set OPENBLAS_CORETYPE.
 Its idle worker threads spin for about 0.1 s after each product by default; here they sleep after 2 **
 OPENBLAS_THREAD_TIMEOUT_LOG2 cycles (defaults.py), unless the user set OPENBLAS_THREAD_TIMEOUT.

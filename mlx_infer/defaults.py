@@ -32,6 +32,6 @@ IDLE_RELEASE_S = 300.0
 #: How long an idle OpenBLAS worker thread spins (sched_yield) waiting for the next product before it sleeps,
 #: as OpenBLAS's OPENBLAS_THREAD_TIMEOUT: 2 ** this many cycles (its least, 4; its own default, 28, is about
 #: 0.1 s). Set for the OpenBLAS that mlx_infer preloads unless the user set it (mlx_infer/blas.py). Its
-#: spinning worker otherwise shares the CPUs with the kernels' threads after every float product: measured
-#: on a 2-vCPU Zen 5 (docs/cpu.md), a 2,000-token prefill of the default model took 0.90x the time.
+#: spinning worker otherwise shares the CPUs with the kernels' threads after every float product, which
+#: slows a long prefill where cores are few (measured in docs/cpu.md).
 OPENBLAS_THREAD_TIMEOUT_LOG2 = 4

@@ -142,8 +142,8 @@ def pick_token(logits: mx.array, params: SamplingParams, sampler: Callable[[mx.a
     float rounding of the subtraction would tie two logits), and mlx-lm's sampler does not depend on it (its
     categorical draw, min-p and top-k are the same for logits shifted by a constant) except for top-p, whose
     mask compares cumulative probabilities. Skipping it saves an exp over the vocabulary, which MLX's CPU
-    backend computes one element at a time: 0.5 ms for the default model's 49,152 logits, about 9% of a
-    decode step on a Zen 5 VM. The speculative loop (speculative/verify.process_logits) and batched decoding
+    backend computes one element at a time, a visible share of a small model's decode step over a large
+    vocabulary (docs/benchmarks.md#plain-decoding-against-mlx-lm-and-llamacpp). The speculative loop (speculative/verify.process_logits) and batched decoding
     pick the same way.
     """
     if params.greedy:

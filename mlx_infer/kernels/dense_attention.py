@@ -8,8 +8,8 @@ slice of the first `offset` tokens. Seen as a pool of rows (the kernel takes the
 B * n_kv * capacity rows of D), those tokens are rows (b * n_kv + h) * capacity + t, so the paged kernel attends over
 them through that index: each K/V row read once for all the query rows of its GQA group, online softmax
 with a vector e^x, the sequence split over the cores. On MLX's CPU device mx.fast.scaled_dot_product_attention
-instead runs unfused (scores, then libm's scalar exp per element): measured on the default model's shapes,
-one layer at 8k tokens, 7.7 ms against 2.3 ms for a decode row and 71 ms against 11 ms for a 9-token verify.
+instead runs unfused (scores, then libm's scalar exp per element), several times slower at long contexts
+for a decode row and more for a verify (docs/kv.md#attention-over-the-pool-the-paged-attention-kernel).
 """
 
 import mlx.core as mx
@@ -62,7 +62,7 @@ def buffer_operands(B: int, n_kv: int, capacity: int, length: int, L: int, start
     request whose tokens fill consecutive slots of the pool: TokenTable.run; the kernel reads slots t <
     lengths[b] only), as arrays that hold their values: no operations for every layer's graph to evaluate
     again. Per step only lengths and q_pos are new, made from Python lists (a NumPy call right after an
-    evaluation took ~0.5 ms on the CPU backend, measured on a Zen 4 VM)."""
+    evaluation waits on the CPU backend, a cost a step should not pay)."""
     key = (B, n_kv, capacity, length, L, start)
     found = _last_operands.get(key)
     if found is None:

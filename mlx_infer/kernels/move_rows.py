@@ -5,10 +5,9 @@ kernel runs; and a batched step's write of new rows into a pool array.
     a = write_rows(a, x, dst)       # x [..., W] (M rows): row dst[i] gets row i of x
 
 The reference (`mx.take` then a scatter into the same array) is correct everywhere, but its gather holds
-the array while the scatter runs, so MLX cannot donate the buffer and the scatter copies all R rows: with
-the default model's pool at a 4k-token prompt (512 blocks, 360 MiB over 30 layers) a 251-token repack made
-its decode step 51.6-52.7 ms against Naive-Evict's 29.2-48.0 (bench/kv.py --step-times, docs/kv.md); on the
-kernel, 29.2 ms against 30.0 (medians of 3 trials). The CPU kernel
+the array while the scatter runs, so MLX cannot donate the buffer and the scatter copies all R rows: at a
+long prompt a repack then costs its decode step a copy of the whole pool (bench/kv.py --step-times,
+docs/kv.md#what-a-repack-costs-a-decode-step), where on the kernel it costs about nothing. The CPU kernel
 (cpu_kernels/move.cpp) is one MLX operation: it takes the array's buffer when MLX can donate it and copies
 only the M moved rows. On a GPU the reference runs (its copy is a device-memory pass).
 """

@@ -8,9 +8,7 @@ Skinny products (at most QMM_MAX_ROWS rows: decode, verify widths, block drafts)
 reads each weight group once for all rows (MLX's CPU quantized matmul is a plain loop: a 16-row product
 costs 16x a 1-row one). On the CPU the kernel takes products of every row count (prefill too: in passes
 of rows that stay in L2, each weight row dequantized once per pass into an L1 scratch), measured faster
-than dequantizing the weight for BLAS at every size tried (the default model's products at 193-2048 rows:
-0.50-0.78x the time of OpenBLAS 0.3.21's, whose Debian build runs its Haswell kernels on Zen 5; prefill of
-400 tokens 1.42x as fast, of 2000 tokens 1.08x). Without the CPU kernel, wider products
+than dequantizing the weight for BLAS at every size tried (docs/kernels.md). Without the CPU kernel, wider products
 (prefill) never fall back to MLX's loop either: on the CPU the weight is dequantized once (in tiles of
 WIDE_TILE_ROWS rows, bounding the float32 temporary) and multiplied by BLAS; on a GPU MLX's own quantized
 matmul runs.

@@ -9,7 +9,7 @@ differs, and only by float rounding (accumulation order). The kernels take 4- an
 of 256 values, as all of Gemma-3-270M's 640-wide ones) gets its codes widened to 8 bits once when swapped
 (`widen_codes`: the same integers, scales and biases, so the same dequantized weights), rather than running
 MLX's quantized matmul, a scalar loop on the CPU. On Gemma-3-270M Q4_K_M that is 81 of its 127 quantized
-layers (measured in docs/kernels.md: decode 2.5-3.5x, TTFT 10-20x, 23 MiB more).
+layers: much faster decode and prefill for a little more memory (measured in docs/kernels.md).
 """
 
 import mlx.core as mx

@@ -19,8 +19,8 @@ included) in one of two ways:
   at every width (a prefill chunk in blocks of PAGED_MAX_QUERIES positions, each row as a one-token step
   computes it); the gathered K/V that `update_and_fetch` returns are then never used, so MLX (lazy) never
   computes them. Measured on the default model it is faster than the gather at 1-8 requests and 100-2000
-  tokens of context (docs/kv.md); the whole batched prefill of 8 prompts of 46 / 600 tokens and of 4 of
-  2,000 took 0.84x / 0.43x / 0.22x the time it took on the gather (docs/kv.md).
+  tokens of context, and a batched prefill more so the longer its prompts
+  (docs/kv.md#attention-over-the-pool-the-paged-attention-kernel).
 - gathered (no kernel, head dims it does not take, models that do not call the hooked attention): one
   `mx.take` into [B, n_kv, S, D], right-padded, and mlx-lm's attention with a bool mask [B, 1, L, S] that
   hides padding, keys after the query (causal, by original position) and keys outside a sliding window.

@@ -46,7 +46,7 @@ PREFIX_CACHE_BYTES = 512 << 20
 KV_GROUP_SIZE = 64
 #: Quantized KV, affine scheme: the bit widths whose K or V store is rotated by a Hadamard matrix per group
 #: before quantizing (kv/rotation.py, QuaRot arXiv 2404.00456). On the default model it cut 4-bit K/V's mean
-#: KL from float KV 2.2-3.4x at the same bytes; at 8 bits its effect was within the noise of perplexity and
+#: KL from float KV severalfold at the same bytes; at 8 bits its effect was within the noise of perplexity and
 #: recall (docs/kv_quant.md). KIVI keeps its per-channel keys unrotated.
 KV_ROTATE_BITS = (4,)
 #: Dtype of the scales and biases of quantized K/V (QuantKVCache and quantized pool blocks).

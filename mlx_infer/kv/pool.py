@@ -4,8 +4,8 @@ Layout: block b of layer l holds `block_size` token slots of K and V, each [n_kv
 `[num_blocks, block_size, n_kv_heads, head_dim]` (arXiv 2309.06180), but stored head-major,
 `[n_kv_heads, num_blocks * block_size, head_dim]` and kept flattened to `[n_kv_heads * rows, head_dim]`: a
 token's slot is `block * block_size + offset`, its row for head h is `h * rows + slot`, and reads and writes
-are one `mx.take` / one scatter on axis 0 of the flat array (MLX's CPU take on axis 0 is ~10x faster than on
-axis 1 of the 3-D array: 0.32 ms vs 3.2 ms for 2000 tokens x 3 heads x 64 in float16). Why not vLLM's
+are one `mx.take` / one scatter on axis 0 of the flat array (MLX's CPU take on axis 0 is far faster than on
+axis 1 of the 3-D array). Why not vLLM's
 order: MLX's attention takes [B, n_kv, S, D]; head-major, a gather lands in that layout directly and a run of
 contiguous slots is a view with the same strides as mlx-lm's KVCache buffer (no copy, bit-identical logits),
 while the token-major order needs a transpose copy per layer per step (without it the CPU SDPA rounds
@@ -335,7 +335,7 @@ class BlockPool:
     def rows(self, slots: Sequence[int]) -> mx.array:
         """The flat-array rows of slots int [S] for every head, head-major: int32 [n_kv * S] (valid until the
         capacity changes). A few slots (a decode or verify step's writes) are computed in Python: a NumPy call
-        right after an evaluation took 0.05-0.4 ms on the CPU backend (measured on a Zen 4 VM)."""
+        right after an evaluation waits on the CPU backend, a cost a step should not pay."""
         n_kv, stride = self.layout[0], self.capacity * self.block_size
         if len(slots) <= FEW_SLOTS:
             few = [int(s) for s in slots]
@@ -346,7 +346,7 @@ class BlockPool:
     def write(self, layer: int, rows: Union[int, mx.array], keys: mx.array, values: mx.array) -> None:
         """Store tokens' K and V: rows = rows(slots) int32 [n_kv * L] (one `write_rows` per plane), or for one token
         (L == 1) its slot, an int (one strided slice update per plane: rows slot, slot + rows_per_head, ...;
-        measured on the default model's decode step, 0.4-0.5 ms less than a scatter and its reshapes); keys
+        cheaper than a scatter and its reshapes); keys
         [n_kv, L, k_dim], values [n_kv, L, v_dim] (any leading shape with n_kv * L rows). Quantized blocks
         quantize each row first (Hadamard-rotated where quant.rotate_k / rotate_v say so, float16, then MLX's
         affine quantization: QuantKVCache's packing of the same row)."""

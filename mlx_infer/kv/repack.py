@@ -11,12 +11,12 @@ layer and K/V plane (kernels.move_rows: in place on the CPU kernel) on a separat
 the pool before the move, so destinations may be sources. The table is updated at once after the copy is built; the next forward
 gathers from the arrays the copy produced, so MLX computes the copy first (the move is visible before the
 next attention; across streams MLX waits on the copy's event). The copy is not evaluated on its own: an
-`mx.async_eval` of it waited, on the CPU backend, for the forward still in flight (27-36 ms of host time
-for a 250-token repack at 2k tokens, against 1 ms without it). A repack moves at most REPACK_MAX_MOVES
+`mx.async_eval` of it waited, on the CPU backend, for the forward still in flight (host time a decode step
+then pays). A repack moves at most REPACK_MAX_MOVES
 tokens, the sparsest blocks first; the rest waits for the next step: once triggered, repacking goes on step
 after step until no plan saves a block (the whole plan, spread over steps), and only then waits for the
-trigger again. (Stopping as soon as the waste fell under the threshold left a 4k-token H2O request at 153
-blocks where one packing gives 129: 32% fewer blocks than Naive-Evict instead of 42%.)
+trigger again. (Stopping as soon as the waste fell under the threshold left a long H2O request holding
+clearly more blocks than one packing gives.)
 """
 
 import math

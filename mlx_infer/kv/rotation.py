@@ -8,9 +8,9 @@ orthogonal change of basis applied to both sides: (q H)(k H)^T = q k^T. Values a
 attention output, a mix of rotated values, is rotated back: (P V H) H = P V, because the normalized
 Sylvester H is symmetric and orthogonal, so H H = I. `rotate` is therefore its own inverse.
 
-Measured on the default model (docs/kv_quant.md): 4-bit K/V's mean KL from float KV falls 2-3x at the
-same bytes. At 8 bits the codes already keep the large channels (KL about 0.0002) and the rotation's effect
-is within the noise of perplexity and recall, so by default only 4-bit stores are rotated.
+Measured on the default model (docs/kv_quant.md): 4-bit K/V's mean KL from float KV falls severalfold at
+the same bytes. At 8 bits the codes already keep the large channels and the rotation's effect is within the
+noise of perplexity and recall, so by default only 4-bit stores are rotated.
 """
 
 import mlx.core as mx

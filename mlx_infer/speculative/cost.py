@@ -39,7 +39,7 @@ class CostCurve:
         plain_step: seconds per plain decoding step when each step's forward is built while the previous
             one computes (plain decoding; the loop's rounds launched ahead); None: unknown, taken as
             seconds[1]. With both replayed as compiled graphs they are within a few percent on the CPU
-            backend (default model on a Zen 5 VM: 5.1-5.3 against 5.3-5.4 ms).
+            backend.
     """
 
     seconds: Dict[int, float]
@@ -73,8 +73,8 @@ def measure_cost_curve(model: nn.Module, max_width: int, vocab_size: int, pipeli
 
     Each repeat times every width and then PIPELINE_STEPS pipelined plain steps, so that load from other
     programs hits the widths and the plain step alike: a plain step timed apart, after the widths, once came
-    out 1.16x the width-1 forward on a busy machine (where it runs 0.97x it), and made every verify look
-    1.2x cheaper against plain decoding than it was.
+    out slower than the width-1 forward on a busy machine (where it runs a little faster), and made every
+    verify look cheaper against plain decoding than it was.
 
     Args:
         model: the target (mlx-lm model).
@@ -130,7 +130,7 @@ def pipelined_step_seconds(model: nn.Module, cache: list, compiled: Optional[Com
     times = [time.perf_counter() for _ in plain_tokens(model, [1], SamplingParams(), PIPELINE_STEPS + 1, cache=cache,
                                                        compiled=compiled)]
     # the loop launched one more step before it stopped: without waiting for it, the next forward timed (the
-    # curve's width 1) took 1.1-1.3x its time
+    # curve's width 1) would include part of that step
     mx.synchronize(decode_stream())
     for c in cache:
         c.trim(c.offset - held)

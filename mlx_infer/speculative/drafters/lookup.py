@@ -2,9 +2,8 @@
 of the context's final n-gram, searched in the prompt and the text generated so far. Free: no model.
 
 The search runs over the ids packed as int32 bytes with `bytes.rfind` (C's substring search), not NumPy: it
-runs right after each verify forward's evaluation, and there the first NumPy calls took 0.4-0.8 ms on MLX's
-CPU backend (a Zen 4 VM: LookupDrafter.propose at a median of 594 us on copy-heavy prompts), for work of a few
-microseconds.
+runs right after each verify forward's evaluation, and there the first NumPy calls wait on MLX's CPU
+backend far longer than the few microseconds of work.
 """
 
 from array import array
