@@ -183,7 +183,8 @@ def speculative_tokens(
         start: prompt tokens the cache already holds (prompt_ids[:start], a kept prefix; 0 for a fresh
             cache); at most len(prompt_ids) - 1. A drafter fed the target's taps needs them for the whole
             prompt, so the cache is then trimmed to empty and the prompt prefilled whole.
-        progress: callable(done, total) after each prefill chunk (prompt tokens).
+        progress: callable(done, total) during prefill, prompt tokens, as plain decoding calls it: (start,
+            total) first, after each prefill chunk, and (total, total) once the first token is computed.
         compiled: the target's CompiledDecode of verify widths (SpecState.forward: its traces serve every
             request), which runs the rounds' forwards (the prefill stays the model's) where
             CompiledDecode.applies and the drafter taps no layers; None: the model builds each forward.
@@ -243,8 +244,12 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: Dra
     processors = build_logits_processors(params)
     vocab = output_vocab(model)
 
-    # Prefill all but the last prompt token (the first pending token), as mlx-lm's generate_step.
-    feats = _prefill(model, cache, prompt_ids[start:-1], taps, start, len(prompt_ids), progress)
+    # Prefill all but the last prompt token (the first pending token), as mlx-lm's generate_step; progress
+    # as plain decoding reports it: (start, total) first, after each chunk, (total, total) with the first token
+    total = len(prompt_ids)
+    if progress is not None:
+        progress(start, total)
+    feats = _prefill(model, cache, prompt_ids[start:-1], taps, start, total, progress)
     # the rounds' forwards: replayed traces where they apply (a tapped layer is seen only by the model's Python)
     forward = compiled if compiled is not None and taps is None and CompiledDecode.applies(model, cache) else model
     if taps is None:
@@ -293,6 +298,9 @@ def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: Dra
             ahead = _plain_round(forward, cache, taps, nxt_arr, params)
             mx.async_eval(ahead[0], ahead[1])
         mx.eval(n_arr, nxt_arr)  # the round's one host sync
+        if progress is not None:  # the first round's forward ends the prompt's prefill
+            progress(total, total)
+            progress = None
         n, nxt = int(n_arr.item()), int(nxt_arr.item())
         t2 = time.perf_counter()
         round_s, last_sync = t2 - last_sync, t2
