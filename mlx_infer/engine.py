@@ -11,7 +11,7 @@ import numbers
 from collections.abc import Iterable
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,7 @@ from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
 from .kv.observe import QueryTap
 from .kv.options import EvictSpec, check_block_size, check_kv_cache, parse_budget, parse_evict
+from .kv.pool import BlockPool
 from .kv.quant_cache import exact_prefix, kv_bytes_per_token, make_quant_cache
 from .kv.quant_options import KVQuant, check_head_dims, check_paged_quant, fit_group_size, kv_quant
 from .kv.session import KVRequest, PagedKV, probe_kv_layout, release
@@ -46,6 +47,9 @@ from .speculative.target import output_vocab
 
 Messages = Sequence[dict]
 Prompt = Union[str, Messages, Sequence[int]]
+#: What `draft_model` takes: a model path or repo id, an Engine, or an mlx-lm model (None: none, or the
+#: registered drafter).
+DraftModelArg = Union[None, str, "Engine", nn.Module]
 
 
 @dataclass
@@ -88,7 +92,7 @@ def measurement_key(source: ModelSource) -> str:
     MLX version, and the RMM retention of a reduced model."""
     build = cpu_kernels.build_id() if backend_name() == "cpu" else None
     key = (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
-           f"{blas_in_use()}|{mx.__version__}|{build}")
+           f"{blas_in_use()}|{mx.__version__}|{build}")  # type: ignore[attr-defined]  # not in MLX's stubs
     return key if source.rmm is None else f"{key}|rmm:{source.rmm}"
 
 
@@ -108,8 +112,8 @@ class Engine:
     tokens).
 
     KV cache (`configure_kv`, or the same keyword arguments of the constructor and `mlx_infer.load`):
-    kv_cache="dense" (default: mlx-lm's own contiguous cache; the paged one costs +0.5-3% per decode step
-    without holes, +6% with them: bench/kv_core.py --overhead --weights auto, docs/kv.md) or "paged" (a block
+    kv_cache="dense" (default: mlx-lm's own contiguous cache; without eviction the paged one only adds a
+    little per decode step: docs/kv.md#dense-or-paged) or "paged" (a block
     pool per engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with
     reclaimed blocks, and the prefix cache); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
     block_size (tokens per block, 16). Quantized KV (dense cache; paged cache and batched decoding: quantized
@@ -210,7 +214,7 @@ class Engine:
         return "dense" if self._kv is None else "paged"
 
     @property
-    def kv_pool(self):
+    def kv_pool(self) -> Optional[BlockPool]:
         """The paged cache's BlockPool (None with the dense cache)."""
         return self._kv.pool if self._kv is not None else None
 
@@ -268,7 +272,7 @@ class Engine:
         else:
             release(cache)
 
-    def prepare(self, speculative: str = "off", draft_model=None, max_draft: Union[str, int] = "auto",
+    def prepare(self, speculative: str = "off", draft_model: DraftModelArg = None, max_draft: Union[str, int] = "auto",
                 say: Optional[Callable[[str], None]] = None) -> None:
         """Measure now, once per model and machine, what a speculative request with these options would
         otherwise measure during its first run (SpecState.prepare), so that its TTFT does not include them.
@@ -327,15 +331,15 @@ class Engine:
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
             raise MlxInferError(f"the prompt must be a string, a list of chat messages or a list of token ids "
                                 f"(ints), got {type(prompt).__name__}")
-        prompt = list(prompt)
-        if not prompt:
+        items: List[Any] = list(prompt)
+        if not items:
             raise MlxInferError("the prompt is empty; give some text")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return self._checked_ids(prompt)
-        if not all(isinstance(m, dict) for m in prompt):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return self._checked_ids(items)
+        if not all(isinstance(m, dict) for m in items):
             raise MlxInferError("a list prompt must hold token ids (ints) or chat messages (dicts with 'role' and "
                                 "'content'), not a mix or other values")
-        for m in prompt:
+        for m in items:
             if "role" not in m or not isinstance(m.get("content"), str):
                 raise MlxInferError("each chat message must be a dict with 'role' and 'content' (a string)")
             _check_unicode(m["content"])
@@ -344,8 +348,8 @@ class Engine:
         if not self.tokenizer.has_chat_template:
             raise MlxInferError("this model has no chat template; pass a plain string prompt")
         if system:
-            prompt = [{"role": "system", "content": system}] + [m for m in prompt if m["role"] != "system"]
-        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+            items = [{"role": "system", "content": system}] + [m for m in items if m["role"] != "system"]
+        return list(self.tokenizer.apply_chat_template(items, add_generation_prompt=True))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (as `generate`'s token_ids), special tokens included: the inverse of
@@ -380,12 +384,12 @@ class Engine:
         system: Optional[str] = None,
         chat_template: bool = True,
         speculative: str = "off",
-        draft_model=None,
+        draft_model: DraftModelArg = None,
         max_draft: Union[str, int] = "auto",
         progress: Optional[Callable[[int, int], None]] = None,
         evict: Optional[str] = None,
         repack: bool = True,
-        **sampling,
+        **sampling: Any,
     ) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
 
@@ -423,7 +427,7 @@ class Engine:
         eviction = self._check_evict(evict, repack, options)
         prompt_ids = self.encode_fitting(prompt, system, chat_template)
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
-        with wired_limit(self.model, [generation_stream]):
+        with wired_limit(self.model, [generation_stream]):  # type: ignore[list-item]  # mlx-lm's thread-local stream
             yield from self._steps(prompt_ids, params, max_tokens, options, progress, eviction, repack)
 
     def _check_evict(self, evict: Optional[str], repack: bool, options: SpecOptions,
@@ -496,7 +500,7 @@ class Engine:
             clean = True
             raise
         finally:
-            tokens.close()
+            tokens.close()  # type: ignore[attr-defined]  # both token sources are generators
             token_bytes = kv_bytes_per_token(cache)
             if kv is not None:
                 kv.__exit__(None, None, None)
@@ -531,14 +535,14 @@ class Engine:
             stats.draft_s, stats.verify_s, stats.acceptance = spec.draft_s, spec.verify_s, spec.acceptance
         yield GenerationStep(held_text, held_token, finish_reason=finish, stats=stats)
 
-    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs: Any) -> Iterator[str]:
         """Generate, yielding text chunks as they are ready (never a broken UTF-8 sequence).
         Arguments as `stream_steps`."""
         for step in self.stream_steps(prompt, params, **kwargs):
             if step.text:
                 yield step.text
 
-    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> GenerationResult:
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs: Any) -> GenerationResult:
         """Generate a whole answer. Arguments as `stream_steps`.
 
         Returns:
@@ -588,6 +592,8 @@ class Engine:
     def _solo_tokens(self, req: BatchRequest) -> Optional[Iterator[int]]:
         """The speculative iterator of a batched request running alone (BatchScheduler `solo`): its cache
         holds its prompt and its tokens but the last; None where speculation cannot pay."""
+        if req.speculative is None or req.spec is None or req.cache is None:
+            return None
         history = req.prompt_ids + req.generated
         return self.spec.tokens(history, req.params, req.max_tokens - req.assembler.n, req.speculative, req.spec,
                                 req.cache, start=len(history) - 1)
@@ -618,7 +624,7 @@ class Engine:
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
                        prefix_cache: bool = True, speculative: str = "off", evict: Optional[str] = None,
-                       repack: bool = True, **sampling) -> List[GenerationResult]:
+                       repack: bool = True, **sampling: Any) -> List[GenerationResult]:
         """Generate answers to several prompts decoding together (continuous batching: at most max_batch at
         once, newcomers admitted as others finish or as the KV budget allows). Batched rows decode plainly,
         evicting tokens when asked; greedy answers equal `generate`'s up to float rounding of the
