@@ -15,13 +15,14 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..backend import return_free_memory
 from ..errors import MlxInferError
 from ..generation.results import GenerationResult, GenerationStep, collect
+from ..generation.sampling import SamplingParams
 from .request import BatchRequest
 from .scheduler import BatchScheduler
 
@@ -45,7 +46,7 @@ class RequestHandle:
     Iterating raises MlxInferError when the runner failed the request (an error in a forward, or the runner
     closed before it finished)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._steps: "queue.SimpleQueue" = queue.SimpleQueue()
         self.request: Optional[BatchRequest] = None
         self._runner: Optional["BatchRunner"] = None
@@ -114,8 +115,8 @@ class BatchRunner:
         self._thread.start()
         _OPEN.add(self)
 
-    def submit(self, prompt_ids, params, on_step: Optional[Callable] = None, speculative: str = "off",
-               evict: Optional[str] = None, repack: bool = True) -> RequestHandle:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_step: Optional[Callable] = None,
+               speculative: str = "off", evict: Optional[str] = None, repack: bool = True) -> RequestHandle:
         """Queue a request (token ids and SamplingParams); returns its handle at once. on_step: called on the
         runner's thread with each GenerationStep (or the exception that failed the request) instead of
         queueing them in the handle (e.g. to hand them to an event loop); the handle still cancels.
@@ -136,6 +137,7 @@ class BatchRunner:
         return handle
 
     def wake(self) -> None:
+        """Wake the runner's thread now (e.g. after a cancel, so that it acts before its next poll)."""
         self._inbox.put(None)
 
     def _take(self, req: Optional[BatchRequest]) -> None:
