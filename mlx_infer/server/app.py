@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/chat/completions, /v1/completions (server-sent events
-when streaming), /v1/models, /health, over one engine's BatchRunner (continuous batching on its own thread).
+when streaming), /v1/models, /v1/models/{id}, /health, over one engine's BatchRunner (continuous batching on
+its own thread).
 
     app = build_app(engine, runner, ServerConfig(api_key="..."))
     uvicorn.run(app, host="127.0.0.1", port=8080)
@@ -195,10 +196,22 @@ class Server:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    def model_object(self) -> dict:
+        """The served model as OpenAI's model object."""
+        return {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "mlx-infer"}
+
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "mlx-infer"}]})
+        return JSONResponse({"object": "list", "data": [self.model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model's object; any other id is a 404 (code model_not_found)."""
+        self.check_auth(request)
+        model_id = request.path_params["model_id"]
+        if model_id != self.config.model_id:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves "
+                                f"{self.config.model_id!r} (see GET /v1/models)", "model", code="model_not_found")
+        return JSONResponse(self.model_object())
 
     async def chat(self, request: Request) -> Response:
         return await self.complete(request, chat=True)
@@ -308,6 +321,7 @@ def build_app(engine, runner: BatchRunner, config: ServerConfig) -> Starlette:
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),  # ids may hold a '/' (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
     ]

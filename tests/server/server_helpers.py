@@ -15,7 +15,7 @@ def live_server(engine, **config):
     """(base_url, runner) of a server over `engine` on a free loopback port, stopped on exit."""
     max_batch = config.pop("max_batch", 16)
     runner = engine.batch_runner(max_batch)
-    app = build_app(engine, runner, ServerConfig(model_id="smollm2", **config))
+    app = build_app(engine, runner, ServerConfig(**{"model_id": "smollm2", **config}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -61,6 +61,31 @@ def test_chat_and_completions(server, reference):
     assert client(url).models.list().data[0].id == "smollm2"
 
 
+def test_retrieve_the_served_model_and_404_for_another(server):
+    """GET /v1/models/{id} (issue 52, defect 7): the served model's object through the openai client; an id
+    this server does not serve is a 404 in OpenAI's error shape."""
+    url, _ = server
+    model = client(url).models.retrieve("smollm2")
+    assert (model.id, model.object, model.owned_by) == ("smollm2", "model", "mlx-infer")
+    assert model.model_dump() == client(url).models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client(url).models.retrieve("gpt-4o")
+    error = caught.value.response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert "'gpt-4o'" in error["message"] and "'smollm2'" in error["message"]
+
+
+def test_retrieve_a_model_id_with_a_slash_and_under_auth(engine):
+    """Hugging Face ids hold a '/'; the route is behind the API key like /v1/models."""
+    with live_server(engine, model_id="HuggingFaceTB/SmolLM2-135M-Instruct", api_key="k") as (url, _):
+        assert client(url, "k").models.retrieve("HuggingFaceTB/SmolLM2-135M-Instruct").id == \
+            "HuggingFaceTB/SmolLM2-135M-Instruct"
+        with pytest.raises(openai.NotFoundError):
+            client(url, "k").models.retrieve("HuggingFaceTB/other")
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.retrieve("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
 def test_eight_concurrent_streams_equal_each_alone(server, reference):
     url, _ = server
     want = [alone(reference, q, 24) for q in QUESTIONS]
