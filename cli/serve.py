@@ -1,11 +1,14 @@
 """`mlx-infer serve`: the OpenAI-compatible HTTP server (mlx_infer/server) on uvicorn."""
 
+import copy
 import ipaddress
+import logging
 import socket
 from typing import Annotated, Optional
 
 import typer
 import uvicorn
+import uvicorn.config
 
 from mlx_infer.defaults import IDLE_RELEASE_S, MAX_BATCH
 from mlx_infer.errors import MlxInferError
@@ -42,6 +45,14 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self._on_exit()
         super().handle_exit(sig, frame)
+
+
+def log_config() -> dict:
+    """uvicorn's logging configuration with its access lines on stderr (uvicorn's default is stdout), where
+    every command's chatter goes."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 def is_loopback(host: str) -> bool:
@@ -113,6 +124,9 @@ def serve(
              "forgotten and the block pool shrinks (the next request prefills in full). 0: never.")] = IDLE_RELEASE_S,
     rmm: LinearRmmOpt = None,
     weights: WeightsOpt = Weights.auto,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log",
+        help="One line per request on stderr (uvicorn's access log: client, method, path, status).")] = True,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions
@@ -124,7 +138,8 @@ def serve(
     ~1.9x / ~3.6x the tokens of float16), and reduces only linear layers (--rmm without qk / pv). With
     --evict every request evicts as it decodes; with repacking on (vToken) it reserves only the KV blocks
     of the tokens it keeps, so more requests fit the budget. Binds
-    127.0.0.1 unless told otherwise. Ctrl-C stops it, cutting open requests after a few seconds.
+    127.0.0.1 unless told otherwise; logs one line per request (--no-access-log: none). Ctrl-C stops it, cutting
+    open requests after a few seconds.
     """
     with user_errors(verbose):
         if not is_loopback(host) and not api_key:
@@ -145,10 +160,12 @@ def serve(
             stderr.print(f"serving {engine.source.name}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
                          + ("; API key required" if api_key else ""), markup=False)
             app = build_app(engine, runner, config)
-            server = StoppingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
-                                                   access_log=verbose, lifespan="off", http=JSONErrorProtocol,
-                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S),
-                                    on_exit=app.state.server.shutdown)
+            http_config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
+                                         access_log=access_log, log_config=log_config(), lifespan="off",
+                                         http=JSONErrorProtocol, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+            if access_log:  # its lines are INFO records: shown without the rest of uvicorn's INFO chatter
+                logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+            server = StoppingServer(http_config, on_exit=app.state.server.shutdown)
             try:
                 server.run()
             except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down

@@ -65,12 +65,16 @@ def test_serves_and_stops_on_ctrl_c(default_gguf):
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "terminate called" not in err
     assert f"serving default on http://127.0.0.1:{port}/v1" in err
+    # an access line per request by default (issue 52), without uvicorn's other INFO lines
+    assert '"POST /v1/completions HTTP/1.1" 200' in err and '"POST /v1/chat/completions HTTP/1.1" 200' in err
+    assert "Uvicorn running" not in err
 
 
 def test_serves_a_reduced_model_and_answers_bad_http_in_json(default_gguf):
     """--rmm with linear components only; the startup line names the retention in its canonical form; a
-    request whose Content-Length is not a number gets an OpenAI error object, not uvicorn's plain text."""
-    with serving("--rmm", "mlp=0.9, attn=0.75") as (port, proc):
+    request whose Content-Length is not a number gets an OpenAI error object, not uvicorn's plain text;
+    --no-access-log logs no request."""
+    with serving("--rmm", "mlp=0.9, attn=0.75", "--no-access-log") as (port, proc):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sky is", "max_tokens": 4},
                        timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -86,6 +90,7 @@ def test_serves_a_reduced_model_and_answers_bad_http_in_json(default_gguf):
         assert error["type"] == "invalid_request_error" and "Content-Length" in error["message"]
     assert proc.returncode == 0, proc.stderr_text
     assert f"serving default (rmm attn=0.75,mlp=0.9, lossy) on http://127.0.0.1:{port}/v1" in proc.stderr_text
+    assert "HTTP/1.1\" " not in proc.stderr_text  # no access line
 
 
 def alone_and_together(flags, prompts, max_tokens):
