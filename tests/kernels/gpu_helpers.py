@@ -1,7 +1,8 @@
 """Helpers of the GPU kernel tests (no GPU needed): the golden Metal source MLX generates, compiled against
 metal_kernels/host/metal_shim.h and run under the Metal execution-model emulator (metal_emu.h); the CUDA
-source in the form `mx.fast.cuda_kernel` builds it, compiled with nvcc; numpy oracles of MLX's affine
-quantization.
+source in the form `mx.fast.cuda_kernel` builds it, compiled with nvcc (nvcc_or_skip: a failure instead of a
+skip where $MLX_INFER_REQUIRE_NVCC is 1) and, unchanged, with g++ against cuda_kernels/host/cuda_emu.h, run
+under the same execution-model emulator (build_cuda_emulator); numpy oracles of MLX's affine quantization.
 
 Golden source: on an MLX without Metal, calling an `mx.fast.metal_kernel` object with verbose=True inside
 `mx.export_function` tracing prints the Metal source MLX would compile (signature, template and
@@ -19,10 +20,11 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 METAL_HOST = REPO / "metal_kernels" / "host"
@@ -248,26 +250,38 @@ def build_emulator(kernels: Sequence[GoldenKernel], jobs: int = 2) -> Path:
              "\n".join(k.source for k in chunk) for i, chunk in enumerate(chunks)}
     launch = ['#include "metal_emu.h"\n'] + [_declaration(k) for k in kernels]
     launch += [_launcher(k, i) for i, k in enumerate(kernels)]
-    launch.append(f"static const int kInstances = {len(kernels)};\n")
-    launch.append("static const char* kNames[] = {" + ", ".join(f'"{k.name}"' for k in kernels) + "};\n")
-    launch.append("static std::string (*kRuns[])(void**, uint3, uint3, int) = {" +
-                  ", ".join(f"run_{i}" for i in range(len(kernels))) + "};\n")
-    units["launch.cpp"] = "".join(launch) + _EMU_MAIN
+    units["launch.cpp"] = "".join(launch) + _launch_table(kernels) + _EMU_MAIN
+    return _build_cached(units, (METAL_HOST,))
+
+
+def _launch_table(kernels: Sequence) -> str:
+    """The emulator main's table of kernels: kInstances, kNames and kRuns (run_<i> for kernel i)."""
+    return (f"static const int kInstances = {len(kernels)};\n"
+            "static const char* kNames[] = {" + ", ".join(f'"{k.name}"' for k in kernels) + "};\n"
+            "static std::string (*kRuns[])(void**, uint3, uint3, int) = {" +
+            ", ".join(f"run_{i}" for i in range(len(kernels))) + "};\n")
+
+
+def _build_cached(units: Dict[str, str], include_dirs: Sequence[Path]) -> Path:
+    """Compile the translation units (name -> text) in parallel with EMU_FLAGS and the include directories, and
+    link them into an executable, kept in EMU_CACHE under a hash of the units, the flags and every header of
+    metal_kernels/host and cuda_kernels/host; returns its path. Raises AssertionError with the compiler's log."""
     digest = hashlib.sha256()
-    for header in sorted(METAL_HOST.glob("*.h")):
-        digest.update(header.read_bytes())
+    for header in sorted([*METAL_HOST.rglob("*.h"), *CUDA_HOST.rglob("*.h"), *CUDA_HOST.rglob("*.cuh")]):
+        digest.update(str(header.relative_to(REPO)).encode() + header.read_bytes())
     for name in sorted(units):
         digest.update(name.encode() + units[name].encode())
-    digest.update(" ".join(EMU_FLAGS).encode())
+    digest.update(" ".join([*EMU_FLAGS, *map(str, include_dirs)]).encode())
     out = EMU_CACHE / digest.hexdigest()[:20]
     exe = out / "emu"
     if exe.exists():
         return exe
+    includes = [arg for d in include_dirs for arg in ("-I", str(d))]
     build = Path(tempfile.mkdtemp(prefix="build-", dir=_ensure(EMU_CACHE)))
     procs = []
     for name, text in units.items():
         (build / name).write_text(text)
-        procs.append(subprocess.Popen(["g++", *EMU_FLAGS, "-I", str(METAL_HOST), "-c", name, "-o", name + ".o"],
+        procs.append(subprocess.Popen(["g++", *EMU_FLAGS, *includes, "-c", name, "-o", name + ".o"],
                                       cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate()[0] for p in procs]
     failed = [log for p, log in zip(procs, logs) if p.returncode != 0]
@@ -291,15 +305,15 @@ def _ensure(path: Path) -> Path:
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
-def run_emulated(exe: Path, kernel: GoldenKernel, inputs: Dict[str, np.ndarray],
+def run_emulated(exe: Path, kernel: Union[GoldenKernel, "CudaKernel"], inputs: Dict[str, np.ndarray],
                  outputs: Dict[str, Tuple[Tuple[int, ...], np.dtype]], grid: Sequence[int],
                  threadgroup: Sequence[int], workers: int = 2,
                  locked: Optional[Dict[str, Sequence[Tuple[int, int]]]] = None) -> Dict[str, np.ndarray]:
-    """Run one emulated kernel: inputs by name (raw bytes, in the buffer order of the signature), outputs
-    by name (shape, numpy dtype; bfloat16 as uint16). `locked` names, per input, byte ranges (offset, nbytes)
-    the kernel must never touch: they are made unreadable (PROT_NONE), so any access faults (reported like an
-    access past the end of a buffer); the input's size and the ranges must be multiples of PAGE_SIZE. Raises
-    AssertionError with the emulator's message."""
+    """Run one emulated kernel (of build_emulator or build_cuda_emulator): inputs by name (raw bytes, in the
+    buffer order of the signature), outputs by name (shape, numpy dtype; bfloat16 as uint16). `locked` names,
+    per input, byte ranges (offset, nbytes) the kernel must never touch: they are made unreadable (PROT_NONE), so
+    any access faults (reported like an access past the end of a buffer); the input's size and the ranges must
+    be multiples of PAGE_SIZE. Raises AssertionError with the emulator's message."""
     locked = locked or {}
     with tempfile.TemporaryDirectory() as tmp:
         specs = []
@@ -438,9 +452,34 @@ EMULATOR_MISSING = ("needs g++" if gxx() is None else
                     "the emulator's fibers are Linux ucontext" if not sys.platform.startswith("linux") else None)
 
 
+#: Set to 1 where nvcc must be found (.ci/run sets it on a machine with an NVIDIA GPU or a CUDA toolkit; a CI job
+#: may set it itself): the tests that compile with nvcc then fail instead of skipping when it is missing.
+REQUIRE_NVCC_ENV = "MLX_INFER_REQUIRE_NVCC"
+#: Where a CUDA toolkit puts nvcc when it is not on PATH ($CUDA_HOME/bin comes first).
+NVCC_STANDARD_PATHS = ("/usr/local/cuda/bin/nvcc",)
+
+
 def nvcc() -> Optional[str]:
-    """Path of nvcc, or None."""
-    return shutil.which("nvcc")
+    """Path of nvcc: on PATH, else in $CUDA_HOME/bin or NVCC_STANDARD_PATHS; None where there is none."""
+    found = shutil.which("nvcc")
+    if found is not None:
+        return found
+    home = os.environ.get("CUDA_HOME")
+    candidates = ([os.path.join(home, "bin", "nvcc")] if home else []) + list(NVCC_STANDARD_PATHS)
+    return next((path for path in candidates if os.access(path, os.X_OK)), None)
+
+
+def nvcc_or_skip() -> str:
+    """Path of nvcc. Where there is none: fails the calling test when $MLX_INFER_REQUIRE_NVCC is 1 (this machine
+    is supposed to compile the CUDA kernels), skips it otherwise."""
+    path = nvcc()
+    if path is None:
+        if os.environ.get(REQUIRE_NVCC_ENV) == "1":
+            pytest.fail(f"nvcc not found (PATH, $CUDA_HOME/bin, {', '.join(NVCC_STANDARD_PATHS)}) but "
+                        f"{REQUIRE_NVCC_ENV}=1 says this machine compiles the CUDA kernels: install the CUDA toolkit "
+                        f"or put nvcc on PATH", pytrace=False)
+        pytest.skip(f"nvcc is not installed ({REQUIRE_NVCC_ENV}=1 makes this a failure)")
+    return path
 
 
 # --- the CUDA source, as mx.fast.cuda_kernel builds it --------------------------------------------------
@@ -496,12 +535,104 @@ def mlx_cuda_source(name: str, header: str, body: str, inputs: Sequence[Tuple[st
 
 def nvcc_compile(source: str, workdir: Path, stem: str, arch: str = "sm_90") -> subprocess.CompletedProcess:
     """nvcc -arch=<arch> -c of a CUDA source against the stand-in MLX device header (cuda_kernels/host);
-    -Xptxas -v reports registers and spills on stderr."""
+    -Xptxas -v reports registers and spills on stderr. Skips (or fails: nvcc_or_skip) the calling test where
+    there is no nvcc."""
+    compiler = nvcc_or_skip()
     path = workdir / f"{stem}.cu"
     path.write_text(source)
-    return subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-Werror", "all-warnings",
+    return subprocess.run([compiler, f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-Werror", "all-warnings",
                            "-I", str(CUDA_HOST), "-c", str(path), "-o", str(workdir / f"{stem}.o")],
                           capture_output=True, text=True)
+
+
+# --- the CUDA source on the CPU: cuda_kernels/host/cuda_emu.h ---------------------------------------------
+
+#: Include directory of the emulated CUDA builds (before CUDA_HOST): stand-ins for MLX's device header and
+#: <cooperative_groups.h> that bring in cuda_kernels/host/cuda_emu.h, so the source compiles unchanged.
+CUDA_EMU_HOST = CUDA_HOST / "emu"
+#: The line of mlx_cuda_source that ends the kernel's header and opens the kernel's namespace.
+_CUDA_NAMESPACE = "namespace mlx::core::cu {\n"
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    """A kernel as `mx.fast.cuda_kernel` builds it (mlx_cuda_source): the __global__ function's name (in
+    mlx::core::cu), the full source, and its parameters in signature order: every one a buffer (inputs, then
+    outputs), with attr 'buffer(i)', so run_emulated takes a CudaKernel as it takes a GoldenKernel."""
+
+    name: str
+    source: str
+    params: Tuple[MetalParam, ...]
+
+    @property
+    def header(self) -> str:
+        """Everything before the kernel's namespace: MLX's default header and the kernel's own (the prelude)."""
+        return self.source.split(_CUDA_NAMESPACE, 1)[0]
+
+
+def mlx_cuda_kernel(name: str, header: str, body: str, inputs: Sequence[Tuple[str, mx.Dtype]],
+                    outputs: Sequence[Tuple[str, mx.Dtype]], template: Sequence[Tuple[str, object]]) -> CudaKernel:
+    """The CudaKernel of mlx_cuda_source's arguments."""
+    params = [MetalParam(f"const {CUDA_TYPES[dtype]}*", n, f"buffer({i})") for i, (n, dtype) in enumerate(inputs)]
+    params += [MetalParam(f"{CUDA_TYPES[dtype]}*", n, f"buffer({len(inputs) + i})")
+               for i, (n, dtype) in enumerate(outputs)]
+    return CudaKernel(name=cuda_kernel_name(name, template),
+                      source=mlx_cuda_source(name, header, body, inputs, outputs, template), params=tuple(params))
+
+
+def _cuda_launcher(k: CudaKernel, index: int) -> str:
+    args = ", ".join(f"({p.type})bufs[{i}]" for i, p in enumerate(k.params))
+    return (f"static std::string run_{index}(void** bufs, uint3 grid, uint3 tg, int workers) {{\n"
+            f"  return emu::launch(grid, tg, [=](const emu::ThreadAttrs&) {{ mlx::core::cu::{k.name}({args}); }}, "
+            f"workers);\n}}\n")
+
+
+def build_cuda_emulator(kernels: Sequence[CudaKernel], jobs: int = 2) -> Path:
+    """An executable that runs the CUDA kernels, their sources unchanged, under cuda_kernels/host/cuda_emu.h
+    (cached by content hash; run them with run_emulated). The sources are split over `jobs` translation units
+    compiled in parallel; the launchers, in their own unit, see only the kernels' declarations. All kernels
+    must share one header (prelude): the prelude's inline functions are one definition per program, so a
+    modified prelude needs an executable of its own (AssertionError otherwise)."""
+    kernels = list(kernels)
+    headers = {k.header for k in kernels}
+    assert len(headers) == 1, "kernels with different headers (preludes) need emulators of their own"
+    chunks = [kernels[i::jobs] for i in range(jobs) if kernels[i::jobs]]
+    units = {f"kernels_{i}.cpp": "\n".join(k.source for k in chunk) for i, chunk in enumerate(chunks)}
+    launch = ['#include "cuda_emu.h"\n\nnamespace mlx::core::cu {\n']
+    launch += [f"void {k.name}({', '.join(f'{p.type} {p.name}' for p in k.params)});\n" for k in kernels]
+    launch.append("}  // namespace mlx::core::cu\n\n")
+    launch += [_cuda_launcher(k, i) for i, k in enumerate(kernels)]
+    units["launch.cpp"] = "".join(launch) + _launch_table(kernels) + _EMU_MAIN
+    return _build_cached(units, (CUDA_EMU_HOST, CUDA_HOST))
+
+
+#: One-line logic errors in the CUDA prelude (cuda_kernels/metal_prelude.cuh), name -> (text, replacement): the
+#: emulated kernels built with the edited prelude must give wrong results (or an emulation error).
+PRELUDE_MUTATIONS = {
+    # simd_sum as a butterfly over 16 lanes: each half-warp sums only itself.
+    "simd_sum_over_16_lanes": ("for (int offset = 16; offset > 0; offset >>= 1) {\n    v += __shfl_xor_sync",
+                               "for (int offset = 8; offset > 0; offset >>= 1) {\n    v += __shfl_xor_sync"),
+    "simd_max_over_16_lanes": ("for (int offset = 16; offset > 0; offset >>= 1) {\n    const U o",
+                               "for (int offset = 8; offset > 0; offset >>= 1) {\n    const U o"),
+    "lane_index_mod_16": ("#define thread_index_in_simdgroup (threadIdx.x & 31u)",
+                          "#define thread_index_in_simdgroup (threadIdx.x & 15u)"),
+    "simdgroups_of_16_threads": ("#define simdgroup_index_in_threadgroup (threadIdx.x >> 5)",
+                                 "#define simdgroup_index_in_threadgroup (threadIdx.x >> 4)"),
+    "threadgroup_barrier_does_nothing": ("void threadgroup_barrier(mem_flags) { __syncthreads(); }",
+                                         "void threadgroup_barrier(mem_flags) {}"),
+    "shuffle_xor_with_half_the_mask": ("return __shfl_xor_sync(0xffffffffu, v, mask);",
+                                       "return __shfl_xor_sync(0xffffffffu, v, mask >> 1);"),
+    # A half-warp member mask where all 32 lanes call: undefined on a GPU, an error under the emulator.
+    "simd_sum_with_a_half_warp_mask": ("v += __shfl_xor_sync(0xffffffffu, v, offset);",
+                                       "v += __shfl_xor_sync(0x0000ffffu, v, offset);"),
+}
+
+
+def mutated_prelude(prelude: str, name: str) -> str:
+    """The prelude with PRELUDE_MUTATIONS[name] applied (its text must occur exactly once)."""
+    old, new = PRELUDE_MUTATIONS[name]
+    assert prelude.count(old) == 1, f"{old!r} changed in the prelude: update PRELUDE_MUTATIONS[{name!r}]"
+    return prelude.replace(old, new)
 
 
 # --- attention over a quantized KV cache (test_metal_attention.py, test_cuda_attention.py) ---------------
