@@ -43,13 +43,23 @@ const QmmKernel& pick_kernel() {
   const char* const known[] = {"avx512", "avx2", "generic", "avx512vnni", "avx2int8"};
   if (std::find(std::begin(known), std::end(known), w) == std::end(known)) w.clear();
 #if defined(__x86_64__) || defined(_M_X64)
-  const auto [avx512, vnni, avx2] = x86_features();
+  // only the variants this build holds (CMakeLists.txt's MLX_INFER_VARIANTS: mlx_infer.kernels.cpu builds
+  // the best one this CPU runs, and any other MLX_INFER_KERNEL_ISA asks for)
+  [[maybe_unused]] const auto [avx512, vnni, avx2] = x86_features();
+#ifdef MLX_INFER_VARIANT_AVX512VNNI
   if (vnni && w == "avx512vnni") return kernel_avx512_vnni();
+#endif
+#ifdef MLX_INFER_VARIANT_AVX2INT8
   if (avx2 && w == "avx2int8") return kernel_avx2_int8();
+#endif
+#ifdef MLX_INFER_VARIANT_AVX512
   if (avx512 && (w.empty() || w == "avx512vnni" || w == "avx512")) return kernel_avx512();
+#endif
+#ifdef MLX_INFER_VARIANT_AVX2
   if (avx2 && (w.empty() || w == "avx512vnni" || w == "avx512" || w == "avx2" || w == "avx2int8")) {
     return kernel_avx2();
   }
+#endif
 #endif
   return kernel_generic();
 }
@@ -58,22 +68,26 @@ const QmmKernel& pick_kernel() {
 
 #if defined(__x86_64__) || defined(_M_X64)
 // A variant's functions with an int8-activation product added.
-static QmmKernel with_int8(const QmmKernel& base, const char* name, const QmmQ8Kernel& q8) {
+[[maybe_unused]] static QmmKernel with_int8(const QmmKernel& base, const char* name, const QmmQ8Kernel& q8) {
   QmmKernel v = base;
   v.name = name;
   v.q8 = &q8;
   return v;
 }
 
+#ifdef MLX_INFER_VARIANT_AVX512VNNI
 const QmmKernel& kernel_avx512_vnni() {
   static const QmmKernel k = with_int8(kernel_avx512(), "avx512vnni", q8_avx512_vnni());
   return k;
 }
+#endif
 
+#ifdef MLX_INFER_VARIANT_AVX2INT8
 const QmmKernel& kernel_avx2_int8() {
   static const QmmKernel k = with_int8(kernel_avx2(), "avx2int8", q8_avx2());
   return k;
 }
+#endif
 #endif
 
 // Buffers the kernels stream through start on a cache line: unaligned 64-byte loads cost 1.5x in the

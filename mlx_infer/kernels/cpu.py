@@ -4,11 +4,17 @@ this Python runs.
 
 `pip install mlx-infer` ships the sources, not a binary: the extension is built on first use (or ahead
 of time by `build_cpu_kernels()`) into `cache_dir()/kernels/<mlx version>-<python tag>-<arch>/`, under a
-file lock so that two processes never build at once, with a one-line note on stderr (about 20 s on 2
-cores). It needs a C++ compiler, make or ninja, CMake >= 3.27 and nanobind (`pip install
-'mlx-infer[kernels]'` brings the last two). Without them, or when a build failed (the reason is
-recorded and not retried until the sources, MLX or the tools change), `available()` is False,
-`why_not()` says what is missing in one line, and callers use the pure-mx reference.
+file lock so that two processes never build at once, with a note and its progress on stderr (1-2 minutes
+on 2 cores, more while other work shares them). A first build compiles only the instruction set this CPU
+runs best (and the one $MLX_INFER_KERNEL_ISA names); another variant asked for later is built then. The
+build runs in a tree of its own, through `build_guard.py`: killing this process (Ctrl-C, SIGTERM, even
+SIGKILL) stops cmake and its compilers too, and no build touches a tree another live build uses.
+`MLX_INFER_KERNEL_DIR=DIR` loads the kernels from DIR when it holds a build of these sources (the tests
+build once and share it; otherwise the cache's folder is used). It needs a C++ compiler, make or ninja,
+CMake >= 3.27 and nanobind (`pip install 'mlx-infer[kernels]'` brings the last two). Without them, or
+when a build failed (the reason is recorded and not retried until the sources, MLX, the tools or the
+variants change), `available()` is False, `why_not()` says what is missing in one line, and callers use
+the pure-mx reference.
 
     from mlx_infer.kernels import cpu
     if cpu.available():
@@ -44,6 +50,7 @@ import filelock
 import mlx.core as mx
 
 from mlx_infer.errors import MlxInferError
+from mlx_infer.kernels import cpu_build
 from mlx_infer.paths import cache_dir, warn_not_cached, write_error
 
 #: Environment variable that turns the kernels off when set to "off" (or "0").
@@ -52,6 +59,9 @@ KERNELS_ENV = "MLX_INFER_KERNELS"
 #: activations run only when asked for: avx512vnni, avx2int8; cpu_kernels/qmm.cpp's pick_kernel).
 ISA_ENV = "MLX_INFER_KERNEL_ISA"
 ISA_CHOICES = ("avx512", "avx2", "generic", "avx512vnni", "avx2int8")
+#: Environment variable naming a folder of built kernels, used when it holds a build of these sources (and
+#: of the variants wanted); the tests build once and point every subprocess there.
+KERNEL_DIR_ENV = "MLX_INFER_KERNEL_DIR"
 #: Oldest CMake that builds MLX extensions (MLX's CMake config requires it).
 MIN_CMAKE = (3, 27)
 #: Seconds a build (or a wait for another process's build) may take before it counts as failed.
@@ -95,17 +105,21 @@ def source_dir() -> Optional[Path]:
 
 
 def build_dir() -> Path:
-    """Where the extension is built and cached: cache_dir()/kernels/<mlx version>-<python tag>-<arch>-<the
-    sources' fingerprint>, one folder per build (so checkouts or virtual environments of other versions
-    never rebuild over each other, nor swap the file another process is loading); when that folder cannot
-    be written and holds no build of these sources, a temporary folder of this process (removed at exit;
-    the kernels are built again on every run), with one warning."""
+    """Where the extension is built and cached: $MLX_INFER_KERNEL_DIR when it holds a build of these
+    sources with the variants wanted (wanted_variants()); else cache_dir()/kernels/<mlx version>-<python
+    tag>-<arch>-<the sources' fingerprint>, one folder per build (so checkouts or virtual environments of
+    other versions never rebuild over each other, nor swap the file another process is loading); when that
+    folder cannot be written and holds no build of these sources, a temporary folder of this process
+    (removed at exit; the kernels are built again on every run), with one warning."""
+    shared = os.environ.get(KERNEL_DIR_ENV, "").strip()
+    if shared and _has_build(Path(shared), _fingerprint(), wanted_variants()):
+        return Path(shared)
     tag = f"{mx.__version__}-{sys.implementation.cache_tag}-{platform.machine()}-{_fingerprint()}"
     wanted = cache_dir() / "kernels" / tag
     if wanted in _scratch_dirs:
         return _scratch_dirs[wanted]
     error = write_error(wanted)
-    if error is None or _has_build(wanted, _fingerprint()):
+    if error is None or _has_build(wanted, _fingerprint(), wanted_variants()):
         return wanted  # (a build of these sources in a read-only folder: loading it writes nothing)
     warn_not_cached(wanted, error, "building the CPU kernels in a temporary folder (again on every run)")
     scratch = Path(tempfile.mkdtemp(prefix="mlx-infer-kernels-"))
@@ -123,9 +137,26 @@ def _module_file() -> str:
     return f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
-def _has_build(folder: Path, fingerprint: str) -> bool:
-    """Whether `folder` holds a built extension of the sources with this fingerprint."""
-    return _read_json(folder / "build.json").get("fingerprint") == fingerprint and (folder / _module_file()).is_file()
+def wanted_variants() -> tuple:
+    """The x86 variants the kernels need here (cpu_build.wanted_variants): the best this CPU runs, and
+    the one $MLX_INFER_KERNEL_ISA names when the CPU runs it; () off x86."""
+    return cpu_build.wanted_variants(os.environ.get(ISA_ENV, ""))
+
+
+def built_variants(folder: Path) -> Optional[tuple]:
+    """The x86 variants of the build in `folder` (all, for a build recorded before builds chose), or None
+    when it holds no build."""
+    record = _read_json(folder / "build.json")
+    if "fingerprint" not in record:
+        return None
+    return tuple(record.get("variants", cpu_build.VARIANTS))
+
+
+def _has_build(folder: Path, fingerprint: str, variants: tuple = ()) -> bool:
+    """Whether `folder` holds a built extension of the sources with this fingerprint, with `variants`."""
+    record = _read_json(folder / "build.json")
+    return (record.get("fingerprint") == fingerprint and (folder / _module_file()).is_file()
+            and set(variants) <= set(record.get("variants", cpu_build.VARIANTS)))
 
 
 def _turned_off() -> bool:
@@ -211,69 +242,82 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def _run(cmd: list, log, cwd: Path) -> None:
-    log.write(f"$ {' '.join(cmd)}\n")
-    log.flush()
-    subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=BUILD_TIMEOUT_S)
-
-
-def build_cpu_kernels(force: bool = False, quiet: bool = False) -> Path:
+def build_cpu_kernels(force: bool = False, quiet: bool = False, variants: Optional[tuple] = None) -> Path:
     """Build the CPU kernels for this MLX and Python (once; later calls find them in the cache).
 
     Args:
         force: rebuild even when a build (or a recorded failure) for these sources exists.
-        quiet: no note on stderr while building.
+        quiet: no note nor progress on stderr while building.
+        variants: the x86 variants to build (of cpu_build.VARIANTS); None: wanted_variants(). A build
+            keeps the variants an earlier build of the same sources in that folder had.
 
     Returns:
         The path of the built extension module.
 
     Raises:
-        MlxInferError: a build tool is missing, or the build failed (the reason, with the log's path,
-            is recorded in build_dir()/failed.json).
+        MlxInferError: a build tool is missing, or the build failed or ran past BUILD_TIMEOUT_S (the
+            reason, with the log's path, is recorded in build_dir()/failed.json).
+        filelock.Timeout: another process's build held the folder's lock past BUILD_TIMEOUT_S.
+        KeyboardInterrupt: as raised; the build's processes are stopped first.
     """
     out = build_dir()
     fingerprint = _fingerprint()
-    if not force and _has_build(out, fingerprint):
-        return module_path()  # built before: loading it needs none of the build tools
+    need = cpu_build.with_bases(wanted_variants() if variants is None else variants)
+    if not force and _has_build(out, fingerprint, need):
+        return out / _module_file()  # built before: loading it needs none of the build tools
     missing = missing_tools()
     if missing:
         raise MlxInferError(f"cannot build the CPU kernels: {missing}")
     out.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(out / "build.lock"), timeout=BUILD_TIMEOUT_S):
-        if not force and _has_build(out, fingerprint):
-            return module_path()  # another process built it while we waited
+        if not force and _has_build(out, fingerprint, need):
+            return out / _module_file()  # another process built it while we waited
+        if _has_build(out, fingerprint):
+            need = cpu_build.with_bases(need + built_variants(out))  # keep what the build there had
         failed = _read_json(out / "failed.json")
-        if not force and failed.get("fingerprint") == fingerprint:
+        if not force and failed.get("fingerprint") == fingerprint and failed.get("variants") == list(need):
             raise MlxInferError(failed.get("reason", "the CPU kernels failed to build"))
+        cpu_build.remove_stale_trees(out)
         if not quiet:
-            where = (f"once, about 20 s; cached in {out}" if out not in _scratch_dirs.values()
-                     else f"about 20 s, in {out}: the cache cannot be written")
-            print(f"mlx-infer: building the CPU kernels for MLX {mx.__version__} ({where})", file=sys.stderr,
-                  flush=True)
-        log_path = out / "build.log"
-        work = out / "build"
-        # A fresh build tree: one configured from another checkout or venv of the same sources (the cache
-        # is per build, not per install) makes CMake refuse the source directory.
-        shutil.rmtree(work, ignore_errors=True)
-        try:
-            with open(log_path, "w") as log:
-                generator = ["-G", "Ninja"] if shutil.which("make") is None else []
-                _run([find_cmake(), "-S", str(source_dir()), "-B", str(work), *generator,
-                      f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"], log, out)
-                _run([find_cmake(), "--build", str(work), "--parallel", str(os.cpu_count() or 1)], log, out)
-            built = next(work.glob(f"{MODULE_NAME}*{sysconfig.get_config_var('EXT_SUFFIX')}"))
-        except (OSError, subprocess.SubprocessError, StopIteration) as exc:
-            reason = (f"the CPU kernels failed to build ({type(exc).__name__}; log: {log_path}); "
-                      "retry with mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
-            _write_json(out / "failed.json", {"fingerprint": fingerprint, "reason": reason})
-            raise MlxInferError(reason) from exc
-        tmp = module_path().with_suffix(".tmp")
-        shutil.copy2(built, tmp)
-        tmp.replace(module_path())  # (force=True: a process that loaded the old file keeps its own copy)
+            what = f" ({', '.join(need)})" if need else ""
+            where = (f"once: 1-2 minutes on 2 cores; cached in {out}" if out not in _scratch_dirs.values()
+                     else f"1-2 minutes on 2 cores, in {out}: the cache cannot be written")
+            print(f"mlx-infer: building the CPU kernels{what} for MLX {mx.__version__} ({where})",
+                  file=sys.stderr, flush=True)
+        _compile(out, need, cpu_build.Progress(quiet))
         (out / "failed.json").unlink(missing_ok=True)
-        _write_json(out / "build.json", {"fingerprint": fingerprint, "mlx": mx.__version__})
-        shutil.rmtree(work, ignore_errors=True)  # the object files (5 MB); a rebuild starts afresh anyway
-    return module_path()
+        _write_json(out / "build.json", {"fingerprint": fingerprint, "mlx": mx.__version__, "variants": list(need)})
+    return out / _module_file()
+
+
+def _compile(out: Path, variants: tuple, progress: cpu_build.Progress) -> None:
+    """Configure and build the extension with `variants` in a new tree in `out`, copy the module into
+    `out` (atomically: a process loading the old file keeps its own copy) and remove the tree (its object
+    files; a rebuild starts afresh anyway). Raises MlxInferError, after recording the reason in
+    out/failed.json, when the build fails."""
+    log_path = out / "build.log"
+    tree = cpu_build.new_tree(out)
+    try:
+        with open(log_path, "w") as log:
+            configure = [find_cmake(), "-S", str(source_dir()), "-B", str(tree), *cpu_build.cmake_generator(),
+                         f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
+                         f"-DMLX_INFER_VARIANTS={';'.join(variants)}"]
+            cpu_build.run_guarded(configure, tree, BUILD_TIMEOUT_S, log, progress)
+            cpu_build.run_guarded([find_cmake(), "--build", str(tree), "--parallel", str(os.cpu_count() or 1)],
+                                  tree, BUILD_TIMEOUT_S, log, progress)
+            built = next(tree.glob(f"{MODULE_NAME}*{sysconfig.get_config_var('EXT_SUFFIX')}"))
+        tmp = (out / _module_file()).with_suffix(".tmp")
+        shutil.copy2(built, tmp)
+        tmp.replace(out / _module_file())
+    except (OSError, subprocess.SubprocessError, StopIteration) as exc:
+        timed_out = isinstance(exc, subprocess.CalledProcessError) and exc.returncode == cpu_build.TIMED_OUT
+        reason = (f"the CPU kernels failed to build ({f'past {BUILD_TIMEOUT_S} s' if timed_out else type(exc).__name__}"
+                  f"; log: {log_path}); retry with mlx_infer.kernels.cpu.build_cpu_kernels(force=True)")
+        _write_json(out / "failed.json", {"fingerprint": _fingerprint(), "variants": list(variants), "reason": reason})
+        raise MlxInferError(reason) from exc
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    progress.done()
 
 
 def self_test(module: ModuleType) -> None:
