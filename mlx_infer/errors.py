@@ -20,3 +20,8 @@ class UnsupportedModelError(MlxInferError):
 
 class InvalidGGUFError(MlxInferError):
     """A GGUF file that is truncated, corrupt or inconsistent."""
+
+
+class DiskWriteError(MlxInferError):
+    """A result that could not be written (a full disk, a quota or file size limit): the message names the
+    folder, the space free there and what to do; nothing half-written is left behind."""

@@ -24,8 +24,8 @@ import mlx.core as mx
 from gguf import GGUFReader
 
 from ..defaults import GGML_BLOCK, GGUF_CONVERTER_VERSION
-from ..errors import InvalidGGUFError, MlxInferError, ModelNotFoundError, UnsupportedModelError
-from ..paths import cache_dir, warn_not_cached
+from ..errors import DiskWriteError, InvalidGGUFError, MlxInferError, ModelNotFoundError, UnsupportedModelError
+from ..paths import CACHE_ENV, cache_dir, warn_not_cached
 from .gguf_tensors import permute_rows_for_rope, tensor_to_mlx
 from .gguf_tokenizer import build_tokenizer, eos_token_ids
 
@@ -56,6 +56,12 @@ _GEMMA_LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 ProgressFn = Callable[[int, int, str], None]
+
+#: What a conversion that found no room says to do: into the cache, and into a folder the user chose.
+CACHE_FULL_HINT = f"free space there, or set {CACHE_ENV} to a folder on a disk with room"
+OUTPUT_FULL_HINT = "free space there, or choose an output directory on a disk with room"
+#: The errno values of a write that found no room (a full disk, a quota, a file size limit).
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def open_gguf(path: Path):
@@ -270,6 +276,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = Non
     Raises:
         ModelNotFoundError, InvalidGGUFError, UnsupportedModelError: see `open_gguf`, `model_config`.
         MlxInferError: out_dir exists and is not empty, or cannot be written.
+        DiskWriteError: the disk filled up while writing (nothing is left of the conversion).
     """
     path, out_dir = Path(path), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -284,15 +291,51 @@ def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = Non
         raise MlxInferError(
             f"cannot write {out_dir} ({e.strerror or type(e).__name__}); choose a writable output directory"
         ) from e
-    return write_conversion(path, staging, out_dir, progress)
+    return write_conversion(path, staging, out_dir, progress, full_hint=OUTPUT_FULL_HINT)
+
+
+def no_room_error(folder: Path, cause: BaseException, needed_bytes: int, hint: str) -> DiskWriteError:
+    """The one-line error of a conversion that could not write its files into `folder`: what failed, the
+    space free there (when it can be read), what the model needs, and `hint` (what to do)."""
+    lines = (cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)).splitlines()
+    what = lines[0] if lines else type(cause).__name__
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:.1f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    return DiskWriteError(f"cannot write the converted model into {folder} ({what}; {free}, the model needs "
+                          f"about {needed_bytes / 1e6:.1f} MB): {hint}")
+
+
+def write_model_files(staging: Path, weights: dict, config: dict, tokenizer, hint: str) -> None:
+    """Write the converted model (model.safetensors, config.json, the tokenizer's files) into `staging`.
+
+    Raises:
+        DiskWriteError: a file found no room (MLX's failed write of the weights, which carries no errno,
+            or an OSError ENOSPC / EDQUOT / EFBIG); `hint` says what to do.
+        OSError: another failure to write.
+    """
+    needed = sum(int(w.nbytes) for w in weights.values())
+    try:
+        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+    except RuntimeError as e:  # MLX: "[write] Unable to write N bytes"
+        raise no_room_error(staging.parent, e, needed, hint) from e
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(str(staging))
+    except OSError as e:
+        if e.errno in NO_ROOM_ERRNOS:
+            raise no_room_error(staging.parent, e, needed, hint) from e
+        raise
 
 
 def write_conversion(path: Path, staging: Path, out_dir: Path, progress: Optional[ProgressFn] = None,
-                     reader=None) -> Path:
+                     reader=None, full_hint: str = CACHE_FULL_HINT) -> Path:
     """Convert a GGUF file into `staging` (from `staging_dir`), then rename it onto `out_dir`.
 
     `reader` is the file already opened by `open_gguf` (None: opened here). `staging` is removed
-    when anything fails. Raises as `convert_gguf`.
+    when anything fails, so nothing half-written is left. Raises as `convert_gguf`, and DiskWriteError
+    (saying `full_hint`) when the files find no room.
     """
     try:
         if reader is None:
@@ -306,9 +349,7 @@ def write_conversion(path: Path, staging: Path, out_dir: Path, progress: Optiona
             config["quantization"] = quant
             config["quantization_config"] = quant
         config["mlx_infer"] = {"source": path.name, "converter_version": GGUF_CONVERTER_VERSION}
-        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        tokenizer.save_pretrained(str(staging))
+        write_model_files(staging, weights, config, tokenizer, full_hint)
         if out_dir.exists():
             out_dir.rmdir()
         os.chmod(staging, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
@@ -365,7 +406,8 @@ def cached_conversion(path: Path, progress: Optional[ProgressFn] = None) -> Path
     install) or copied elsewhere is converted once, and an edited or replaced file is converted again.
     A conversion already in the cache is used even when the cache is read-only; when the cache cannot
     be written, the file is converted into a temporary directory (removed when the process exits) with
-    one warning.
+    one warning. A cache whose disk fills up while converting raises DiskWriteError (naming the folder
+    and MLX_INFER_CACHE), leaving nothing of the conversion behind.
     """
     path = Path(path).expanduser().resolve()
     if not path.is_file():
