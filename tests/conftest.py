@@ -14,6 +14,8 @@ import pytest
 # Before any test module imports mlx.core: importing mlx_infer first loads the optimized BLAS (the CPU
 # fast path users get); imported later, MLX keeps its bundled reference BLAS, about 10x slower.
 import mlx_infer  # noqa: E402,F401
+from mlx_infer.errors import MlxInferError  # noqa: E402
+from mlx_infer.kernels import cpu, cpu_build  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -28,17 +30,39 @@ WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
 def mlx_infer_cache(tmp_path_factory):
     """MLX_INFER_CACHE for the whole session: a fresh temporary directory (shared by all tests, so
     the default model converts once), or $MLX_INFER_TEST_CACHE when set, to keep conversions
-    between runs while developing."""
+    between runs while developing. The CPU kernels are built there once (share_cpu_kernels)."""
     keep = os.environ.get("MLX_INFER_TEST_CACHE")
     path = Path(keep) if keep else tmp_path_factory.mktemp("mlx-infer-cache")
     path.mkdir(parents=True, exist_ok=True)
-    old = os.environ.get("MLX_INFER_CACHE")
+    saved = {name: os.environ.get(name) for name in ("MLX_INFER_CACHE", cpu.KERNEL_DIR_ENV)}
     os.environ["MLX_INFER_CACHE"] = str(path)
+    share_cpu_kernels()
     yield path
-    if old is None:
-        os.environ.pop("MLX_INFER_CACHE", None)
-    else:
-        os.environ["MLX_INFER_CACHE"] = old
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    cpu.refresh()
+
+
+def share_cpu_kernels() -> None:
+    """Build the CPU kernels once for the session, with every variant this CPU runs (the tests that ask
+    for one through MLX_INFER_KERNEL_ISA find it), and point MLX_INFER_KERNEL_DIR at them, so that every
+    subprocess with a cache of its own loads them instead of building again (each such build took 1-6
+    minutes on a 2-core CPU). Tests of the build itself use caches and sources of their own (a folder
+    that holds no build of the sources asked for is not used). Nothing here without the build tools or
+    with the kernels turned off; a failed build is left for the kernel tests to report."""
+    if os.environ.get(cpu.KERNELS_ENV, "").strip().lower() in ("off", "0", "false", "no") or cpu.missing_tools():
+        return
+    os.environ.pop(cpu.KERNEL_DIR_ENV, None)  # built for this session's cache
+    cpu.refresh()
+    try:
+        module = cpu.build_cpu_kernels(quiet=True, variants=cpu_build.runnable_variants())
+    except MlxInferError:
+        return
+    os.environ[cpu.KERNEL_DIR_ENV] = str(module.parent)
+    cpu.refresh()
 
 
 @pytest.fixture(scope="session")

@@ -97,7 +97,7 @@ def test_repo_id_from_offline_hub_cache(tiny_mlx_dir, tmp_path):
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", MLX_INFER_CACHE=str(tmp_path / "cache"))
     env.pop("HF_HUB_CACHE", None)
     env.pop("HUGGINGFACE_HUB_CACHE", None)
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["kind"] == "hf-repo"
