@@ -150,8 +150,12 @@ class BatchScheduler:
         return room() >= blocks
 
     def step(self) -> None:
-        """Admit, prefill, and decode once (see the module docstring); emits each request's steps."""
+        """Admit, prefill, and decode once (see the module docstring); emits each request's steps. A request
+        cancelled since the last step ends here, before any forward: its final step is emitted ("cancelled")
+        and its blocks go back to the pool (a lone speculative one's iterator is closed first)."""
         for r in [r for r in self.running if r.cancelled]:
+            if self._solo is not None and self._solo[0] is r:
+                self._end_solo()  # its speculative iterator stops (and rolls its cache back) before the release
             r.finish(cancelled=True)
             self._leave(r)
         for r in [r for r in self.waiting if r.cancelled]:
