@@ -8,8 +8,10 @@
 
 import copy
 import numbers
+import threading
 from collections.abc import Iterable
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
@@ -21,7 +23,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from .backend import backend_name, blas_in_use, return_free_memory
 from .batch import BatchRequest, BatchRunner, BatchScheduler
 from .defaults import IDLE_RELEASE_S, MAX_BATCH
-from .errors import MlxInferError
+from .errors import EngineBusyError, MlxInferError
 from .generation.compiled import CompiledSteps
 from .generation.decode import plain_tokens
 from .generation.assemble import StepAssembler
@@ -99,8 +101,11 @@ def measurement_key(source: ModelSource) -> str:
 class Engine:
     """A loaded model, ready to generate.
 
-    Build it with `mlx_infer.load(...)`. Not thread-safe: one request at a time, or several together through
-    `generate_batch` / `batch_runner` (whose thread then owns the engine).
+    Build it with `mlx_infer.load(...)`. Safe to call from several threads: calls are serialized (a request,
+    a stream's whole iteration included, holds the engine until it finishes or the stream is closed or
+    garbage-collected; the others wait); for concurrent decoding use `batch_runner` (whose thread then owns
+    the engine) or `generate_batch`. Starting a second request on a thread whose stream is still open raises
+    EngineBusyError (the two would otherwise wait for each other forever).
 
     The engine keeps the KV of its requests for the next ones: a request whose prompt starts with tokens an
     earlier one held (a chat's next turn: the history, then the new message) prefills only what follows
@@ -157,6 +162,8 @@ class Engine:
         self._quant: Optional[KVQuant] = None
         self._kv_layout: Optional[tuple] = None  # (n_kv, k_dim, v_dim, dtype) of the model's K/V, probed once
         self._compiled: Optional[CompiledSteps] = None  # the model's compiled one-token steps (made on first use)
+        self._busy = threading.Lock()  # held by the request running (a stream: until it ends or is closed)
+        self._owner: Optional[int] = None  # the thread that holds _busy (threading.get_ident), None when free
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
 
@@ -276,8 +283,28 @@ class Engine:
                 say: Optional[Callable[[str], None]] = None) -> None:
         """Measure now, once per model and machine, what a speculative request with these options would
         otherwise measure during its first run (SpecState.prepare), so that its TTFT does not include them.
-        say: gets a line before each measurement. Raises MlxInferError for bad options."""
-        self.spec.prepare(self._spec_options(speculative, draft_model, max_draft), say=say)
+        say: gets a line before each measurement. Raises MlxInferError for bad options, EngineBusyError as
+        `stream_steps`."""
+        with self._serialized():
+            self.spec.prepare(self._spec_options(speculative, draft_model, max_draft), say=say)
+
+    @contextmanager
+    def _serialized(self):
+        """Hold the engine for one request: another thread's request waits until it is released; one on the
+        thread that holds it raises EngineBusyError (a stream of that thread is still open: waiting would
+        never end). Released on exit, also when a stream's generator is closed or garbage-collected (from
+        any thread)."""
+        me = threading.get_ident()
+        if self._owner == me:  # (only this thread sets or clears _owner while it holds _busy)
+            raise EngineBusyError("this thread is still streaming an earlier request of this engine: iterate that "
+                                  "stream to its end or close() it first, or use engine.batch_runner() for "
+                                  "concurrent requests")
+        with self._busy:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def _spec_options(self, speculative: str, draft_model, max_draft) -> SpecOptions:
         if isinstance(draft_model, Engine):
@@ -415,20 +442,26 @@ class Engine:
             repack: with evict, repack live tokens into fewer blocks (vToken); False: the Naive-Evict baseline
                 (the same eviction decisions, blocks freed only when empty).
 
+        Calls from several threads are serialized: the request waits (from its first step) until the engine
+        is free, and holds it until its last step was taken or the iterator is closed (see the class docstring).
+
         Raises:
             MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, a draft_model
                 given to a mode that uses none ("off", "lookup", "layerskip", "rmm"), a bad evict, evict with the dense
                 cache or with a speculative mode other than "auto"; KVBudgetError (an MlxInferError): a request
-                that cannot fit the KV budget (before prefill).
+                that cannot fit the KV budget (before prefill); EngineBusyError (an MlxInferError): a stream of
+                this engine started on the same thread is still open.
         """
-        params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
-        params = params.for_vocab(self.vocab_size)
-        options = self._spec_options(speculative, draft_model, max_draft)
-        eviction = self._check_evict(evict, repack, options)
-        prompt_ids = self.encode_fitting(prompt, system, chat_template)
-        max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
-        with wired_limit(self.model, [generation_stream]):  # type: ignore[list-item]  # mlx-lm's thread-local stream
-            yield from self._steps(prompt_ids, params, max_tokens, options, progress, eviction, repack)
+        with self._serialized():
+            params = (params or SamplingParams()).with_(**sampling) if sampling else (params or SamplingParams())
+            params = params.for_vocab(self.vocab_size)
+            options = self._spec_options(speculative, draft_model, max_draft)
+            eviction = self._check_evict(evict, repack, options)
+            prompt_ids = self.encode_fitting(prompt, system, chat_template)
+            max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
+            # (mlx-lm's generation_stream is a thread-local stream, not the Stream its annotation names)
+            with wired_limit(self.model, [generation_stream]):  # type: ignore[list-item]
+                yield from self._steps(prompt_ids, params, max_tokens, options, progress, eviction, repack)
 
     def _check_evict(self, evict: Optional[str], repack: bool, options: SpecOptions,
                      batched: bool = False) -> Optional[EvictSpec]:
@@ -651,7 +684,8 @@ class Engine:
         Raises:
             MlxInferError: a bad prompt (its message starts with "prompt i: ") or parameter (evict as
                 `stream_steps`), params of another length than prompts; KVBudgetError: a request that can
-                never fit the KV budget (before anything runs).
+                never fit the KV budget (before anything runs); EngineBusyError: a stream of this engine
+                started on the same thread is still open (other threads' calls wait, as `stream_steps`).
         """
         if isinstance(prompts, str):
             raise MlxInferError("generate_batch takes a list of prompts; for one prompt use generate, or pass [prompt]")
@@ -668,18 +702,19 @@ class Engine:
                 ids.append(self.encode_fitting(p, system, chat_template))
             except MlxInferError as e:
                 raise MlxInferError(f"prompt {i}: {e}") from e
-        sched = self.scheduler(max_batch, prefix_cache)
-        steps: List[list] = [[] for _ in prompts]
-        requests = [self._batch_request(i, p, s.append, speculative, evict, repack)
-                    for i, p, s in zip(ids, params, steps)]
-        for r in requests:
-            sched.check_fits(r)
-        for r in requests:
-            sched.add(r)
-        try:
-            while sched.busy:
-                sched.step()
-        except BaseException:
-            sched.fail_all()
-            raise
+        with self._serialized():
+            sched = self.scheduler(max_batch, prefix_cache)
+            steps: List[list] = [[] for _ in prompts]
+            requests = [self._batch_request(i, p, s.append, speculative, evict, repack)
+                        for i, p, s in zip(ids, params, steps)]
+            for r in requests:
+                sched.check_fits(r)
+            for r in requests:
+                sched.add(r)
+            try:
+                while sched.busy:
+                    sched.step()
+            except BaseException:
+                sched.fail_all()
+                raise
         return [collect(s) for s in steps]

@@ -10,6 +10,11 @@ class MlxInferError(ValueError):
     """Bad input: the message is one line, fit to show a user as it is."""
 
 
+class EngineBusyError(MlxInferError):
+    """A request started on an Engine while a stream of the same thread is still open on it (the engine runs
+    one request at a time; calls from other threads wait instead)."""
+
+
 class ModelNotFoundError(MlxInferError, FileNotFoundError):
     """A model path or repo id that does not exist or is not reachable."""
 
