@@ -140,8 +140,10 @@ class Progress:
         """Say the build finished (with its wall time) and return that time in seconds."""
         seconds = time.monotonic() - self.start
         if not self.quiet:
-            prefix = "\r" if self.tty and self.shown else ""
-            print(f"{prefix}mlx-infer: built the CPU kernels in {seconds:.0f} s", file=self.stream, flush=True)
+            line = f"mlx-infer: built the CPU kernels in {seconds:.0f} s"
+            if self.tty and self.shown:  # over the progress line, padded to its width
+                line = f"\r{line:<42}"
+            print(line, file=self.stream, flush=True)
         return seconds
 
 
