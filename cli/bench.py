@@ -14,9 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mlx_infer.defaults import SPEC_MODEL_MODES as MODEL_MODES, SPEC_MODES as MODES
 from mlx_infer.errors import MlxInferError
-from mlx_infer.kv.quant_options import kv_quant
-from mlx_infer.speculative import MODEL_MODES, MODES
 
 from .errors import user_errors
 from .options import (
@@ -55,6 +54,8 @@ def bench(
     runs on the reduced model (its plain decoding is the reference); with --kv-bits every mode decodes over
     the quantized KV cache.
     """
+    from mlx_infer.kv.quant_options import kv_quant
+
     with user_errors(verbose):
         for flag, value in (("--trials", trials), ("--max-tokens", max_tokens)):
             if value < 1:

@@ -11,11 +11,8 @@ from typing import List, Optional, Tuple
 
 import typer
 
+from mlx_infer.defaults import KV_BLOCK_SIZE
 from mlx_infer.errors import MlxInferError
-from mlx_infer.kv import KVBudgetError
-from mlx_infer.kv.cache import supports_paged
-from mlx_infer.kv.defaults import BLOCK_SIZE
-from mlx_infer.kv.options import check_block_size, parse_evict
 
 from .errors import fail, report, user_errors
 from .generate import collect_text, stream_to_stdout
@@ -63,6 +60,8 @@ class ChatSession:
 
     def answer(self, text: str) -> None:
         """Stream the model's reply to `text`; keep the turn in the history unless it failed or was cut."""
+        from mlx_infer.kv.errors import KVBudgetError
+
         self.history.append({"role": "user", "content": text})
         reply: List[str] = []
         bar = PrefillBar()
@@ -149,8 +148,10 @@ def chat_kv(kv_cache: Optional[str], speculative: dict, *flags) -> Tuple[dict, d
 def asks_paged(kv_budget: Optional[str], evict: Optional[str], block_size: str) -> bool:
     """Whether the KV flags ask for what only the paged cache does: a budget, eviction, a block size other than
     the default (a value that does not parse counts: its own error is the one to give)."""
+    from mlx_infer.kv.options import check_block_size, parse_evict
+
     try:
-        return kv_budget is not None or parse_evict(evict) is not None or check_block_size(block_size) != BLOCK_SIZE
+        return kv_budget is not None or parse_evict(evict) is not None or check_block_size(block_size) != KV_BLOCK_SIZE
     except MlxInferError:
         return True
 
@@ -186,6 +187,8 @@ def chat(
 
     /reset clears the history, /exit (or Ctrl-D) quits. Ctrl-C stops an answer; a second Ctrl-C exits.
     """
+    from mlx_infer.kv.cache import supports_paged
+
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)

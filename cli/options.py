@@ -1,22 +1,27 @@
-"""Flags shared by `generate`, `chat`, `bench` and `serve`, and the SamplingParams built from them."""
+"""Flags shared by `generate`, `chat`, `bench` and `serve`, and the SamplingParams built from them.
+
+Declaring the flags imports nothing heavy (their choices and defaults come from mlx_infer.defaults), so that
+`--help` and a usage error answer at once; the checks that need the library's modules (which import MLX)
+import them when they run.
+"""
 
 import warnings
 from enum import Enum
-from typing import Annotated, List, Optional
+from typing import TYPE_CHECKING, Annotated, List, Optional
 
 import typer
 
-from mlx_infer.defaults import MAX_TOKENS, MAX_VERIFY_WIDTH
+from mlx_infer.defaults import (
+    KV_BLOCK_SIZE, KV_CACHES, KV_SCHEMES, MAX_TOKENS, MAX_VERIFY_WIDTH, SPEC_MODEL_MODES, SPEC_MODES,
+)
 from mlx_infer.errors import MlxInferError
-from mlx_infer.generation.sampling import SamplingParams
-from mlx_infer.kv.defaults import BLOCK_SIZE
-from mlx_infer.kv.options import KV_CACHES, check_block_size, check_kv_cache, parse_budget, parse_evict
-from mlx_infer.kv.quant_options import KV_SCHEMES, check_paged_quant, kv_quant
 from mlx_infer.rmm.defaults import RMM_PRESETS
 from mlx_infer.rmm.options import PRODUCT_COMPONENTS, parse_rmm
-from mlx_infer.speculative import MODEL_MODES, MODES, check_max_draft
 
 from .errors import as_flag
+
+if TYPE_CHECKING:
+    from mlx_infer.generation.sampling import SamplingParams
 
 SAMPLING = "Sampling"
 MODEL = "Model"
@@ -64,10 +69,10 @@ StopOpt = Annotated[Optional[List[str]], typer.Option(
     help="Stop when this string appears (not printed); \\n and \\t are newline and tab. Repeatable.")]
 SystemOpt = Annotated[Optional[str], typer.Option(
     "--system", "-s", help="System prompt (needs the model's chat template).")]
-#: --spec is a plain string checked by spec_kwargs against mlx_infer.speculative.MODES, so that a bad
+#: --spec is a plain string checked by spec_kwargs against SPEC_MODES (mlx_infer.speculative.MODES), so that a bad
 #: value gets the one-line error rather than typer's usage box.
 SpecOpt = Annotated[str, typer.Option(
-    "--spec", "--speculative", metavar="|".join(MODES), rich_help_panel=SPEC,
+    "--spec", "--speculative", metavar="|".join(SPEC_MODES), rich_help_panel=SPEC,
     help="Drafter for lossless speculative decoding (greedy: the same output as plain decoding; sampling: "
          "the same distribution; faster when drafts are accepted): auto picks the best available and falls "
          "back to plain decoding where verifying several tokens costs as much as decoding them; off is plain "
@@ -157,11 +162,13 @@ def sampling_params(
     seed: Optional[int] = None,
     repetition_penalty: float = 1.0,
     stop: Optional[List[str]] = None,
-) -> SamplingParams:
+) -> "SamplingParams":
     """Validated SamplingParams from the flags; raises MlxInferError naming the first bad one.
 
-    Built before the model loads, so a bad flag fails in a fraction of a second.
+    Built before the model loads, so a bad flag fails before the model's seconds of loading.
     """
+    from mlx_infer.generation.sampling import SamplingParams
+
     try:
         return SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -172,7 +179,7 @@ def sampling_params(
         raise MlxInferError(_as_flag(str(e))) from e
 
 
-def fit_to_model(params: SamplingParams, engine) -> SamplingParams:
+def fit_to_model(params: "SamplingParams", engine) -> "SamplingParams":
     """`params` checked against the loaded model (top-k against its vocabulary), before any measuring;
     raises MlxInferError naming the flag."""
     try:
@@ -210,6 +217,8 @@ def flag_names(option) -> str:
 def _as_flag(message: str) -> str:
     """'top_p must be ...' -> '--top-p must be ...': name the flag the user typed (every name of one that
     has several: '--temp/--temperature must be ...')."""
+    from mlx_infer.generation.sampling import SamplingParams
+
     field = message.split(" ", 1)[0]
     if field.isidentifier() and field in SamplingParams.__dataclass_fields__:
         flag = flag_names(_SAMPLING_FLAGS[field]) if field in _SAMPLING_FLAGS else "--" + field.replace("_", "-")
@@ -219,6 +228,8 @@ def _as_flag(message: str) -> str:
 
 def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
     """Engine.stream_steps keyword arguments from the speculative flags; raises MlxInferError when bad."""
+    from mlx_infer.speculative.modes import check_max_draft
+
     value = max_draft.strip().lower()
     if value != "auto":
         try:
@@ -232,13 +243,13 @@ def spec_kwargs(spec: str, draft_model: Optional[str], max_draft: str) -> dict:
                           f"drafting {MAX_VERIFY_WIDTH - 1}")
     check_max_draft(value)
     mode = spec.strip().lower()
-    if mode not in MODES:
-        raise MlxInferError(f"--spec must be one of {', '.join(MODES)}, got {spec!r}")
+    if mode not in SPEC_MODES:
+        raise MlxInferError(f"--spec must be one of {', '.join(SPEC_MODES)}, got {spec!r}")
     if mode == "draft" and not draft_model:
         raise MlxInferError("--spec draft needs --draft-model MODEL (a smaller model with the same tokenizer)")
-    if draft_model and mode not in MODEL_MODES:
+    if draft_model and mode not in SPEC_MODEL_MODES:
         raise MlxInferError(f"--spec {mode} uses no --draft-model; drop it, or pick --spec "
-                            f"{', '.join(MODEL_MODES)}")
+                            f"{', '.join(SPEC_MODEL_MODES)}")
     return {"speculative": mode, "draft_model": draft_model, "max_draft": value}
 
 
@@ -249,6 +260,9 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     kv_scheme / kv_quant_start for Engine.configure_kv, evict / repack for each request. Raises
     MlxInferError naming the bad flag (before the model loads; the library's checks name their keyword,
     which errors.report words as the flag)."""
+    from mlx_infer.kv.options import check_block_size, check_kv_cache, parse_budget, parse_evict
+    from mlx_infer.kv.quant_options import check_paged_quant, kv_quant
+
     try:
         kind = check_kv_cache(kv_cache)
     except MlxInferError:
@@ -270,7 +284,7 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     if spec is None and value == "off":
         warnings.warn("--repack off has no effect without --evict POLICY:RATIO (it picks Naive-Evict: the same "
                       "evictions, blocks freed only when empty)")
-    if kind == "dense" and (budget is not None or size != BLOCK_SIZE or spec is not None):
+    if kind == "dense" and (budget is not None or size != KV_BLOCK_SIZE or spec is not None):
         flag = "--evict" if spec is not None else "--kv-budget" if budget is not None else "--block-size"
         raise MlxInferError(f"{flag} needs --kv-cache paged")
     mode = speculative.get("speculative", "off")

@@ -10,12 +10,11 @@ import typer
 import uvicorn
 import uvicorn.config
 
-from mlx_infer.defaults import IDLE_RELEASE_S, MAX_BATCH
+from mlx_infer.defaults import (
+    IDLE_RELEASE_S, KV_BLOCK_SIZE as BLOCK_SIZE, MAX_BATCH, SERVE_HOST as HOST, SERVE_MAX_QUEUE as MAX_QUEUE,
+    SERVE_MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT, SERVE_PORT as PORT, SPEC_MODES as MODES,
+)
 from mlx_infer.errors import MlxInferError
-from mlx_infer.kv.defaults import BLOCK_SIZE
-from mlx_infer.server import JSONErrorProtocol, ServerConfig, build_app
-from mlx_infer.server.defaults import HOST, MAX_QUEUE, MAX_TOKENS_LIMIT, PORT
-from mlx_infer.speculative import MODES
 
 from .errors import user_errors
 from .options import (
@@ -141,6 +140,8 @@ def serve(
     127.0.0.1 unless told otherwise; logs one line per request (--no-access-log: none). Ctrl-C stops it, cutting
     open requests after a few seconds.
     """
+    from mlx_infer.server import JSONErrorProtocol, ServerConfig, build_app
+
     with user_errors(verbose):
         if not is_loopback(host) and not api_key:
             raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "

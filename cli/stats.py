@@ -1,13 +1,14 @@
 """Generation stats, printed on stderr (never stdout, which carries only the answer)."""
 
-from typing import Optional
-
-from mlx_infer.engine import GenerationStats
+from typing import TYPE_CHECKING, Optional
 
 from .progress import stderr
 
+if TYPE_CHECKING:
+    from mlx_infer.engine import GenerationStats
 
-def format_stats(stats: GenerationStats) -> str:
+
+def format_stats(stats: "GenerationStats") -> str:
     """One line: prompt tokens (and how many came from the kept cache) / generated tokens, TTFT, prefill and decode speed, peak memory, and for speculative
     decoding the drafter, tau, rounds, draft / verify time and per-position acceptance; then a
     line for RMM (its retention), one for quantized KV (its setting and bytes per token), and for the paged KV cache: retained blocks (average and end), live tokens, waste, peak KV bytes, eviction and repacks."""
@@ -39,7 +40,7 @@ def format_stats(stats: GenerationStats) -> str:
     return line
 
 
-def print_stats(stats: Optional[GenerationStats]) -> None:
+def print_stats(stats: Optional["GenerationStats"]) -> None:
     """Print `format_stats` dimmed on stderr (nothing when there are no stats)."""
     if stats is not None:
         stderr.print(f"[dim]{format_stats(stats)}[/dim]")

@@ -4,11 +4,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, List, Optional
 
-import mlx.core as mx
 import typer
-
-from mlx_infer.train import TrainSettings, train_drafter as run
-from mlx_infer.train.progress import TrainProgress
 
 from .errors import fail, user_errors
 from .options import ModelOpt, VerboseOpt, Weights, WeightsOpt
@@ -99,6 +95,11 @@ def train_drafter(
 
     Use the result with: mlx-infer generate --spec dflash --draft-model DIR
     """
+    import mlx.core as mx
+
+    from mlx_infer.train import TrainSettings, train_drafter as run
+    from mlx_infer.train.progress import TrainProgress
+
     with user_errors(verbose):
         if not data.is_file():
             raise fail(f"no data file at {data}; give a text file (one prompt per paragraph) or a .jsonl")

@@ -3,6 +3,12 @@
     import mlx_infer
     engine = mlx_infer.load()            # the embedded default model (SmolLM2-135M-Instruct Q4_1)
     print(engine.generate("What is the capital of France?").text)
+
+Importing the package is light: it loads the optimized BLAS (before anything imports MLX) and names the
+public API. Each public name's module, and with it MLX, mlx-lm and transformers (seconds of imports), is
+imported when the name is first used (PEP 562's module __getattr__), so that `import mlx_infer.cli...`,
+`mlx-infer --help` and a bad flag answer at once. This is the library's one deferred import: every module
+below imports at its top (tests/test_structure.py).
 """
 
 from .blas import preload_optimized_blas
@@ -10,17 +16,18 @@ from .blas import preload_optimized_blas
 # Before mlx.core is imported anywhere: MLX's CPU backend then uses an optimized BLAS.
 preload_optimized_blas()
 
-import inspect  # noqa: E402
-from typing import Any, Callable, Optional, Union  # noqa: E402
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING, Any, List  # noqa: E402
 
-from .batch import BatchRunner, RequestHandle  # noqa: E402
-from .engine import Engine, GenerationResult, GenerationStats, GenerationStep  # noqa: E402
 from .errors import InvalidGGUFError, MlxInferError, ModelNotFoundError, UnsupportedModelError  # noqa: E402
-from .generation.sampling import SamplingParams  # noqa: E402
-from .kv.errors import KVBudgetError  # noqa: E402
-from .loading import load_model  # noqa: E402
-from .rmm.apply import reduce_model  # noqa: E402
-from .rmm.options import Retention, parse_rmm  # noqa: E402
+from .rmm.options import Retention  # noqa: E402
+
+if TYPE_CHECKING:  # the lazily named ones, for type checkers and readers
+    from .api import load
+    from .batch import BatchRunner, RequestHandle
+    from .engine import Engine, GenerationResult, GenerationStats, GenerationStep
+    from .generation.sampling import SamplingParams
+    from .kv.errors import KVBudgetError
 
 __version__ = "0.1.0"
 #: The public API (docs/api.md; tests/test_public_api.py holds every name here to a docstring and to the docs).
@@ -31,41 +38,26 @@ __all__ = [
     "__version__",
 ]
 
+#: The module of each public name imported on first use (those whose modules import MLX).
+LAZY = {
+    "load": ".api", "Engine": ".engine", "GenerationResult": ".engine", "GenerationStats": ".engine",
+    "GenerationStep": ".engine", "SamplingParams": ".generation.sampling", "BatchRunner": ".batch",
+    "RequestHandle": ".batch", "KVBudgetError": ".kv.errors",
+}
 
-def load(model: Optional[str] = None, *, weights: str = "auto",
-         progress: Optional[Callable[[int, int, str], None]] = None, kv_cache: str = "dense",
-         kv_budget: Union[None, int, float, str] = None, block_size: int = 16,
-         rmm: Union[None, str, Retention] = None, **kv_quant: Any) -> Engine:
-    """Load a model and return an Engine.
 
-    Args:
-        model: a .gguf file, an MLX / Hugging Face model directory, a Hugging Face repo id
-            ('org/name'), or None for the embedded default (SmolLM2-135M-Instruct Q4_1).
-        weights: "auto" (quantized weights on the CPU kernels when available, else float32 on the CPU backend with an optimized BLAS, else as stored),
-            "native" (as stored) or "float32".
-        progress: callable(done, total, description) for download / conversion progress.
-        kv_cache, kv_budget, block_size: the KV cache ("dense", default, or "paged"), its budget and block
-            size (see Engine.configure_kv).
-        rmm: reduced matrix multiplication (arXiv 2608.13426; lossy): retention ratios per component,
-            e.g. "attn=0.5,mlp=0.9,qk=0.75" or a preset (see mlx_infer.rmm.options), or a parsed Retention;
-            None: exact. The stats report it in its canonical form (str(Retention)).
-        kv_quant: kv_bits, kv_scheme, kv_quant_start, kv_group_size, kv_residual, kv_rotate: quantized KV (see Engine.configure_kv).
+def __getattr__(name: str) -> Any:
+    """A public name of LAZY, its module imported on first use (then kept as a plain attribute).
 
     Raises:
-        MlxInferError: a missing model, unreachable repo, corrupt or unsupported GGUF, a bad rmm (not a
-            string, a bad item, or a layer range that selects none of the model's layers), an option
-            load() does not take.
+        AttributeError: `name` is not a public name of the package (nor a submodule imported so far).
     """
-    known = set(inspect.signature(Engine.configure_kv).parameters) - {"self", "kv_cache", "kv_budget", "block_size"}
-    unknown = sorted(set(kv_quant) - known)
-    if unknown:  # checked before any model work, as rmm
-        raise MlxInferError(f"load() got an unknown option {unknown[0]!r}; it takes model, weights, progress, "
-                            f"kv_cache, kv_budget, block_size, rmm, {', '.join(sorted(known))} (sampling, "
-                            "speculative and eviction options go to engine.generate)")
-    retention = parse_rmm(rmm)  # checked before any model work
-    net, tokenizer, config, source = load_model(model, weights=weights, progress=progress)
-    if retention is not None:
-        reduce_model(net, retention)
-        source.rmm = str(retention)
-    return Engine(net, tokenizer, config, source, kv_cache=kv_cache, kv_budget=kv_budget, block_size=block_size,
-                  rmm=retention, **kv_quant)
+    if name not in LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(LAZY))

@@ -1,4 +1,5 @@
-"""Named defaults, in one place."""
+"""Named defaults, in one place. Nothing here imports anything: the CLI reads its flags' choices and
+defaults here without loading MLX (`mlx-infer --help` answers at once)."""
 
 #: Tokens generated when the caller gives no limit.
 MAX_TOKENS = 256
@@ -35,3 +36,29 @@ IDLE_RELEASE_S = 300.0
 #: spinning worker otherwise shares the CPUs with the kernels' threads after every float product, which
 #: slows a long prefill where cores are few (measured in docs/cpu.md).
 OPENBLAS_THREAD_TIMEOUT_LOG2 = 4
+
+# The choices and defaults the CLI's help shows, kept here (importing their packages loads MLX); the modules
+# that use them import them from here under their own names.
+#: Speculative decoding modes (speculative/modes.py: MODES).
+SPEC_MODES = ("off", "auto", "lookup", "draft", "layerskip", "rmm", "dflash", "dspark")
+#: The modes that draft with a model given as draft_model (the others draft from the context or the target).
+SPEC_MODEL_MODES = ("auto", "draft", "dflash", "dspark")
+#: The KV cache kinds: mlx-lm's own contiguous cache, or the block pool with a token table (vToken).
+KV_CACHES = ("dense", "paged")
+#: KV quantization schemes: "affine" (K and V per token, groups along head_dim, as mlx-lm's
+#: QuantizedKVCache) and "kivi" (arXiv 2402.02750: K per channel, groups along tokens; V per token; the
+#: most recent tokens kept in float).
+KV_SCHEMES = ("affine", "kivi")
+#: Tokens per KV block of the paged cache (vLLM's and vToken's default, arXiv 2608.13263; kv/defaults.py:
+#: BLOCK_SIZE).
+KV_BLOCK_SIZE = 16
+#: Where `mlx-infer serve` listens unless told otherwise (loopback only: nothing outside this machine reaches
+#: it; server/defaults.py: HOST, PORT).
+SERVE_HOST = "127.0.0.1"
+SERVE_PORT = 8080
+#: Most tokens one request to the server may ask for (max_tokens / max_completion_tokens; server/defaults.py:
+#: MAX_TOKENS_LIMIT).
+SERVE_MAX_TOKENS_LIMIT = 4096
+#: Requests waiting for a place in the server's batch beyond the running ones; more get 429 (not a stalled
+#: queue; server/defaults.py: MAX_QUEUE).
+SERVE_MAX_QUEUE = 64

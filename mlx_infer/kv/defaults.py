@@ -2,8 +2,8 @@
 
 import mlx.core as mx
 
-#: Tokens per KV block (vLLM's and vToken's default, arXiv 2608.13263).
-BLOCK_SIZE = 16
+from ..defaults import KV_BLOCK_SIZE as BLOCK_SIZE  # noqa: F401  (tokens per KV block, defined there)
+
 #: Most slots whose pool rows BlockPool.rows computes in Python rather than NumPy (a decode or verify step's
 #: writes; a prefill's go through NumPy).
 FEW_SLOTS = 64

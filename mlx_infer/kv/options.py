@@ -8,11 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from ..defaults import KV_CACHES
 from ..errors import MlxInferError
 from .policies import POLICIES
-
-#: The KV cache kinds: mlx-lm's own contiguous cache, or the block pool with a token table (vToken).
-KV_CACHES = ("dense", "paged")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}

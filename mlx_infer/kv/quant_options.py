@@ -6,13 +6,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
+from ..defaults import KV_SCHEMES
 from ..errors import MlxInferError
 from .defaults import KIVI_RESIDUAL, KV_GROUP_SIZE, KV_ROTATE_BITS
 
-#: KV quantization schemes: "affine" (K and V per token, groups along head_dim, as mlx-lm's
-#: QuantizedKVCache) and "kivi" (arXiv 2402.02750: K per channel, groups along tokens; V per token; the
-#: most recent tokens kept in float).
-KV_SCHEMES = ("affine", "kivi")
 #: Bit widths of quantized K / V.
 KV_BITS = (4, 8)
 #: Group sizes along head_dim (affine) or along tokens (KIVI keys).

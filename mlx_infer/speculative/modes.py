@@ -5,12 +5,8 @@ from typing import Optional, Union
 
 import mlx.nn as nn
 
+from ..defaults import SPEC_MODEL_MODES as MODEL_MODES, SPEC_MODES as MODES
 from ..errors import MlxInferError
-
-MODES = ("off", "auto", "lookup", "draft", "layerskip", "rmm", "dflash", "dspark")
-
-#: The modes that draft with a model given as draft_model (the others draft from the context or the target).
-MODEL_MODES = ("auto", "draft", "dflash", "dspark")
 
 
 @dataclass(frozen=True)
