@@ -76,12 +76,12 @@ def module_fingerprint(model: nn.Module) -> Tuple[int, ...]:
 
 def compiles(model: nn.Module) -> bool:
     """Whether `model`'s decode steps can run as a compiled graph (see the module docstring): every layer's
-    attention a KernelRoPEAttention whose module calls the attention hook, none on a sliding window, and the
+    attention a KernelRoPEAttention calling the attention hook's `attention`, none on a sliding window, and the
     paged-attention kernel here."""
     if paged_attention_backend() == "reference":
         return False
     return all(type(getattr(layer, "self_attn", None)) is KernelRoPEAttention
-               and layer.self_attn.home.scaled_dot_product_attention is attention_hook.attention
+               and layer.self_attn.attend is attention_hook.attention
                and not getattr(layer, "use_sliding", False)
                for layer in model.layers)
 

@@ -16,12 +16,12 @@ operations per layer, each costing MLX's CPU backend a few microseconds to sched
 of it as one operation on the kernel, and `KernelRoPEAttention` is that attention block calling it.
 """
 
-import sys
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from . import cpu
 from .fused import FusedLinear
@@ -31,7 +31,7 @@ __all__ = ["KernelRoPE", "KernelRoPEAttention", "ROPE_ATTENTIONS", "rope", "rope
            "rope_heads_packed"]
 
 #: mlx-lm attention classes whose forward is exactly: q / k / v projections, heads, RoPE at the cache's
-#: offset, the cache's update, their module's `scaled_dot_product_attention`, o_proj.
+#: offset, the cache's update, `scaled_dot_product_attention`, o_proj.
 ROPE_ATTENTIONS = (llama.Attention, qwen2.Attention)
 
 
@@ -98,29 +98,30 @@ def rope_heads_packed(qkv: mx.array, widths: tuple, n_q: int, n_kv: int, rope_la
 class KernelRoPEAttention(nn.Module):
     """An mlx-lm attention block (one of ROPE_ATTENTIONS, its RoPE a KernelRoPE) whose heads are split and
     rotated by `rope_heads`: x [B, L, D] -> [B, L, D], the same computation. Holds the same q_proj / k_proj /
-    v_proj / o_proj and rope modules (same parameter names) and calls the `scaled_dot_product_attention` of
-    the block's mlx-lm module, as rebound there (kv/attention_hook.py). With `qkv` (a FusedLinear of its
-    q_proj, k_proj and v_proj) the three projections run as one product while it still covers them, its
-    output split into heads as it is (`rope_heads_packed`). With `residual` [B, L, D] the result is
-    residual + the block's output, the add in o_proj's product where `linear_add` can put it there (a
-    decoder block's residual connection, kernels/block.py)."""
+    v_proj / o_proj and rope modules (same parameter names) and calls `attend` (mlx-lm's
+    scaled_dot_product_attention, or the one the project's layers call, kv/attention_hook.attention, given by
+    kv/attention_hook.install). With `qkv` (a FusedLinear of its q_proj, k_proj and v_proj) the three
+    projections run as one product while it still covers them, its output split into heads as it is
+    (`rope_heads_packed`). With `residual` [B, L, D] the result is residual + the block's output, the add in
+    o_proj's product where `linear_add` can put it there (a decoder block's residual connection,
+    kernels/block.py)."""
 
-    def __init__(self, attn: nn.Module, qkv: Optional[FusedLinear] = None):
-        """Wrap `attn`'s modules without copying them. Raises ValueError when `attn` is not one of
-        ROPE_ATTENTIONS or its rope is not a KernelRoPE."""
-        if type(attn) not in ROPE_ATTENTIONS or not isinstance(attn.rope, KernelRoPE):
+    def __init__(self, attn: nn.Module, qkv: Optional[FusedLinear] = None,
+                 attend: Callable = scaled_dot_product_attention):
+        """Wrap `attn`'s modules without copying them (`attn` a KernelRoPEAttention too: its modules and its
+        `qkv` when none is given, calling `attend` instead). `attend` takes mlx-lm's scaled_dot_product_attention
+        arguments: (queries [B, n_q, L, D], keys, values [B, n_kv, S, D], cache=, scale=, mask=) -> [B, n_q, L, Dv].
+        Raises ValueError when `attn` is not one of ROPE_ATTENTIONS or its rope is not a KernelRoPE."""
+        if type(attn) not in ROPE_ATTENTIONS + (KernelRoPEAttention,) or not isinstance(attn.rope, KernelRoPE):
             raise ValueError(f"not an mlx-lm RoPE attention on the kernels: {type(attn).__name__}")
         super().__init__()
         self.n_heads, self.n_kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.rope = attn.rope
+        if qkv is None and type(attn) is KernelRoPEAttention:
+            qkv = attn.qkv
         self.qkv = qkv  # (not a Module: its arrays are the projections')
-        self._home = sys.modules[type(attn).__module__]
-
-    @property
-    def home(self):
-        """The mlx-lm model module whose `scaled_dot_product_attention` this block calls (the wrapped block's)."""
-        return self._home
+        self.attend = attend
 
     def __call__(self, x: mx.array, mask=None, cache=None, residual: Optional[mx.array] = None) -> mx.array:
         B, L, _ = x.shape
@@ -133,7 +134,7 @@ class KernelRoPEAttention(nn.Module):
                                  self.rope, offset)  # [B, heads, L, D]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = self._home.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = self.attend(q, k, v, cache=cache, scale=self.scale, mask=mask)
         if L > 1:  # (one position: [B, n_q, 1, Dv] reshapes to [B, 1, n_q * Dv] in the same order)
             out = out.transpose(0, 2, 1, 3)  # [B, L, n_q, Dv]
         out = out.reshape(B, L, -1)  # [B, L, n_q * Dv]

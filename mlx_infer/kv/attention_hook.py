@@ -1,23 +1,26 @@
-"""The one place mlx-infer reaches into mlx-lm's attention: model modules call
-`scaled_dot_product_attention(queries, keys, values, cache=..., scale=..., mask=...)`, a name each imports
-from mlx_lm.models.base. `install(model)` rebinds that name in the modules of the model's layers to
-`attention`, which hands
-- a QuantKVCache layer, or a PagedKVCache layer, to its fused kernel (over the packed K/V, where prefill
-  chunks run the tiled prefill attention over the dequantized rows; over the pool);
+"""Where attention reaches the KV cache: `install(model)` swaps the model's attention blocks for mlx-infer's own
+layers (kv/attention_layer.py: CacheAttention, kernels/rope.KernelRoPEAttention; at load, and by the Engine,
+the BatchScheduler and the draft-model drafter for a model handed in), which call `attention(queries, keys,
+values, cache=..., scale=..., mask=...)`: mlx-lm's `scaled_dot_product_attention` on the kernels where they
+apply. Nothing in mlx-lm's modules is rebound: another model of theirs in the process attends as mlx-lm
+wrote it. `attention` hands
+- a cache that attends itself (an AttendingCache: a quantized cache, a paged one, a batched step's layer,
+  a compiled one-token step's StepCache) to its `fused_attention` (the fused kernel over the packed K/V or
+  the pool, where prefill chunks over a quantized cache run the tiled prefill attention over the dequantized
+  rows; a batched or compiled step's over the block pool or its KVCache buffer), unless it answers None;
 - another causal prefill chunk (at least PREFILL_MIN_QUERIES queries, on the CPU) to the tiled prefill
   attention of kernels/prefill_attention.py (where the products round x to int8, a chunk over mlx-lm's
   dense KVCache goes to the paged kernel as a decode step does, below: kernels/dense_attention.dense_fits);
-- a batched step's layer (BatchLayerCache) to the paged-attention kernel over the block pool, and a
-  compiled one-token step's (StepCache, generation/compiled.py) to it over its KVCache buffer or pool planes;
 - a decode or verify step over mlx-lm's dense KVCache to the paged kernel reading the cache's buffer in
   place (kernels/dense_attention.py);
 - everything else (other caches, masks or shapes the kernels do not take, attention sinks) to mlx-lm's own
   function, unchanged.
 Inside an RMM `reduced_products` scope (rmm/attention.py) it first reduces QK^T (the queries) and PV.
-Models whose modules do not use the name still run on a quantized cache through the float K/V it returns.
+Models whose attention is not one of the project's layers still run on a quantized cache through the float
+K/V it returns.
 """
 
-import sys
+from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,10 +30,26 @@ from mlx_lm.models.cache import KVCache
 from ..kernels.dense_attention import dense_attention, dense_fits
 from ..kernels.prefill_attention import prefill_attention, prefill_fits
 from ..rmm.attention import active_products, pv_attention, reduce_queries
-from .batch import BatchLayerCache
-from .cache import PagedKVCache
-from .quant_cache import QuantKVCache
-from .step_cache import StepCache
+from .attention_layer import use_attention
+
+__all__ = ["AttendingCache", "attention", "fused_attention_of", "install", "mlx_lm_attention"]
+
+
+class AttendingCache(Protocol):
+    """A KV cache that runs attention over what it holds itself (kv/quant_cache.QuantKVCache,
+    kv/cache.PagedKVCache, kv/batch.BatchLayerCache, kv/step_cache.StepCache): declared by having the method,
+    which `fused_attention_of` looks up (a runtime isinstance check against a Protocol inspects its members on
+    every call, and `attention` asks once per layer per forward)."""
+
+    def fused_attention(self, queries: mx.array, scale: float, mask) -> Optional[mx.array]:
+        """Attention of queries [B, n_q, L, D] over the cache's keys and values after this forward's update
+        (`mask` as mlx-lm passes it: None, "causal" or an array): [B, n_q, L, Dv] in the queries' dtype, or
+        None where it does not apply (the caller then attends over the K/V update_and_fetch returned)."""
+
+
+def fused_attention_of(cache) -> Optional[Callable]:
+    """`cache.fused_attention` when `cache` is an AttendingCache, else None (mlx-lm's caches, no cache)."""
+    return getattr(cache, "fused_attention", None)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -44,8 +63,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
             queries = reduce_queries(queries, qk)
         if pv < 1.0 and sinks is None:
             return pv_attention(queries, keys, values, scale, mask, pv)
-    if isinstance(cache, (QuantKVCache, BatchLayerCache, PagedKVCache, StepCache)) and sinks is None:
-        out = cache.fused_attention(queries, scale, mask)
+    fused = fused_attention_of(cache) if sinks is None else None
+    if fused is not None:
+        out = fused(queries, scale, mask)
         if out is not None:
             return out
     if type(cache) is KVCache and sinks is None and _dense_decode(queries, keys, values, cache, mask):
@@ -66,15 +86,7 @@ def _dense_decode(queries: mx.array, keys: mx.array, values: mx.array, cache: KV
 
 
 def install(model: nn.Module) -> int:
-    """Rebind scaled_dot_product_attention to `attention` in the mlx-lm modules of `model`'s layers (once
-    per module; idempotent). Returns how many modules use it."""
-    hooked = 0
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
-        if not name.startswith("mlx_lm.models.") or module is None:
-            continue
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is mlx_lm_attention:
-            module.scaled_dot_product_attention = attention
-        hooked += getattr(module, "scaled_dot_product_attention", None) is attention
-    return hooked
+    """Swap `model`'s attention blocks (mlx-lm's llama / qwen2 / qwen3 / gemma3 ones, and the kernel twins) for
+    mlx-infer's layers calling `attention`, in place (kv/attention_layer.use_attention; idempotent).
+    Returns how many blocks call it (0: a model of other classes, left as it is)."""
+    return use_attention(model, attention)

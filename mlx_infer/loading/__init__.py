@@ -14,6 +14,7 @@ from ..errors import MlxInferError, ModelNotFoundError
 from ..kernels import cpu as cpu_kernels
 from ..kernels.linear import supports, use_kernels
 from ..kernels.qmm import qmm_backend
+from ..kv.attention_hook import install as install_attention
 from . import default, gguf, hub
 
 WEIGHTS_MODES = ("auto", "native", "float32")
@@ -120,6 +121,7 @@ def load_model(
         net = to_float32(net)
     if cpu_here:
         use_kernels(net)  # the quantized layers (native weights), RMSNorm and RoPE
+    install_attention(net)  # attention through mlx-infer's layers (kv/attention_hook.py): kernels, quantized KV
     if kernels:
         source.kernels = qmm_backend()
     source.weights = weights

@@ -21,6 +21,8 @@ from mlx_infer.kernels.linear import (WIDENED_BITS, KernelQuantizedEmbedding, Ke
                                       widen_codes)
 from mlx_infer.kernels.rms_norm import KernelRMSNorm
 from mlx_infer.kernels.rope import KernelRoPEAttention
+from mlx_infer.kv.attention_hook import attention, mlx_lm_attention
+from mlx_infer.kv.attention_layer import CacheAttention
 
 #: Greedy tokens compared per prompt on the default model.
 GREEDY_TOKENS = 16
@@ -134,7 +136,8 @@ def test_rope_attention_equals_mlx_lm_block(cpu_kernels, monkeypatch):
     """The default model's attention blocks run as KernelRoPEAttention in KernelDecoderBlocks (q / k / v as
     one packed product split into heads by one operation, the residual adds inside o_proj's and down_proj's
     products); its logits over a prefill, a 3-token verify and a decode step equal, bit for bit, those of
-    mlx-lm's own attention block holding the same modules, with the block's own adds."""
+    mlx-lm's own block forward with its own adds, of the project's CacheAttention on an mlx-lm attention block
+    holding the same modules, and, both attending through mlx-lm's own function, of that mlx-lm block."""
     engine = mlx_infer.load(weights="native")
     model = engine.model
     assert {type(layer.self_attn) for layer in model.layers} == {KernelRoPEAttention}
@@ -153,10 +156,20 @@ def test_rope_attention_equals_mlx_lm_block(cpu_kernels, monkeypatch):
         patch.setattr(KernelDecoderBlock, "__call__", llama.TransformerBlock.__call__)
         for got, want in zip(fused, forwards()):
             assert mx.array_equal(got, want).item()
-    for layer in model.layers:
-        attn, block = layer.self_attn, llama.Attention(model.args)
+    kernel_attns, blocks = [layer.self_attn for layer in model.layers], []
+    for attn in kernel_attns:
+        block = llama.Attention(model.args)
         block.q_proj, block.k_proj, block.v_proj, block.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         block.rope = attn.rope
+        blocks.append(block)
+    for layer, block in zip(model.layers, blocks):
+        layer.self_attn = CacheAttention(block, attention)
+    for got, want in zip(fused, forwards()):
+        assert mx.array_equal(got, want).item()
+    for layer, attn in zip(model.layers, kernel_attns):
+        layer.self_attn = KernelRoPEAttention(attn, attend=mlx_lm_attention)
+    fused = forwards()
+    for layer, block in zip(model.layers, blocks):
         layer.self_attn = block
     for got, want in zip(fused, forwards()):
         assert mx.array_equal(got, want).item()

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from ...defaults import PREFILL_STEP_SIZE
 from ...errors import MlxInferError
+from ...kv.attention_hook import install as install_attention
 from ..verify import probabilities, process_logits
 from .base import Draft, Drafter, Worth
 
@@ -45,7 +46,8 @@ class DraftModelDrafter(Drafter):
     penalties) and returns those probabilities as q.
 
     Args:
-        model: an mlx-lm model whose caches are trimmable.
+        model: an mlx-lm model whose caches are trimmable; its attention blocks become the project's, in place
+            (kv/attention_hook.install), as a target's do.
         ident: a stable identity (e.g. "draft:<path>") under which its calibration prior is cached; None: not
             cached (a model object handed in by the caller).
 
@@ -56,6 +58,7 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: nn.Module, ident: Optional[str] = None):
+        install_attention(model)
         self.model = model
         self.ident = ident
         if not can_trim_prompt_cache(make_prompt_cache(model)):
