@@ -2,7 +2,7 @@
 
     results = engine.generate_batch(["Hi", "What is 2+2?"], max_tokens=32)
     with engine.batch_runner() as runner:           # a decode loop on its own thread (the server's)
-        handle = runner.submit(engine.encode("Hi"), SamplingParams(max_tokens=32))
+        handle = runner.submit(engine.batch_request("Hi", max_tokens=32))  # built and checked here
         print(handle.result().text)
 """
 

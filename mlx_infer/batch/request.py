@@ -27,7 +27,8 @@ class BatchRequest:
         detokenizer: its own streaming detokenizer (not shared with another live request).
         eos: end-of-sequence token ids.
         emit: called with each GenerationStep, the last one with finish_reason and stats, or with an
-            exception when the request failed (on the scheduler's thread).
+            exception when the request failed (on the scheduler's thread); None until `deliver_to` gives it
+            (BatchRunner.submit does).
         speculative: SpecOptions of speculative decoding while the request runs alone (None or mode "off":
             never); its SpecStats are in `spec`.
         rmm: the model's RMM retention in canonical form (str(Retention)), reported in the stats; None when exact.
@@ -40,7 +41,7 @@ class BatchRequest:
     """
 
     def __init__(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
-                 detokenizer: StreamingDetokenizer, eos, emit: Emit, speculative: Optional[SpecOptions] = None,
+                 detokenizer: StreamingDetokenizer, eos, emit: Optional[Emit], speculative: Optional[SpecOptions] = None,
                  rmm: Optional[str] = None, evict: Optional[EvictSpec] = None, repack: bool = True):
         self.prompt_ids = list(prompt_ids)
         self.evict, self.repack = evict, repack
@@ -66,10 +67,18 @@ class BatchRequest:
         self.speculative = speculative if speculative is not None and speculative.on else None
         self.spec: Optional[SpecStats] = SpecStats() if self.speculative is not None else None
 
+    def deliver_to(self, emit: Emit) -> None:
+        """Hand this request's steps (and the error that may end it) to `emit` from now on (BatchRunner.submit
+        points them at the request's handle, or at its caller's own consumer)."""
+        self._emit = emit
+
     def emit(self, item) -> None:
         """Hand a step (or the error that ended the request) to its consumer. A consumer that fails to take
-        it (e.g. the server's event loop has closed) cancels the request: the batch goes on without it."""
+        it (e.g. the server's event loop has closed), or a request without one, is cancelled: the batch goes on
+        without it."""
         try:
+            if self._emit is None:
+                raise LookupError("the request has no consumer")
             self._emit(item)
         except Exception:
             self.cancelled = True

@@ -1,13 +1,16 @@
 """BatchRunner: a BatchScheduler on its own thread, fed from any thread (the server's decode loop).
 
     with engine.batch_runner() as runner:
-        handle = runner.submit(prompt_ids, params)       # from any thread
+        handle = runner.submit(engine.batch_request("Hi", max_tokens=32))  # from any thread
         for step in handle:                              # GenerationStep, the last with finish_reason
             ...
         handle.cancel()                                  # e.g. the client went away: its blocks are freed
 
 All MLX work (prefill, decode, sampling) runs on the runner's thread (MLX streams belong to the thread that
-made them); callers only put requests in and read steps out of per-request queues.
+made them); callers only put requests in and read steps out of per-request queues. A request comes in built
+and checked (Engine.batch_request: its prompt encoded once, its parameters validated): the runner never calls
+back into the engine. While it has requests, the runner's thread holds the engine's lock (`hold`), so that the
+engine's own calls from other threads wait for it instead of running beside it on the same model and pool.
 """
 
 import atexit
@@ -15,15 +18,15 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Iterator, List, Optional, Sequence
+from threading import Lock
+from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
 from ..backend import return_free_memory
-from ..errors import MlxInferError
+from ..errors import GenerationError, MlxInferError, RunnerClosedError
 from ..generation.results import GenerationResult, GenerationStep, collect
-from ..generation.sampling import SamplingParams
-from .request import BatchRequest
+from .request import BatchRequest, Emit
 from .scheduler import BatchScheduler
 
 #: Seconds the idle runner thread waits for a request before checking whether it was closed.
@@ -43,8 +46,8 @@ def _close_open_runners() -> None:
 class RequestHandle:
     """A submitted request: iterate it for its GenerationSteps; `cancel()` ends it (from any thread).
 
-    Iterating raises MlxInferError when the runner failed the request (an error in a forward, or the runner
-    closed before it finished)."""
+    Iterating raises GenerationError when a forward failed, RunnerClosedError when the runner was closed
+    before the request finished (both MlxInferError)."""
 
     def __init__(self) -> None:
         self._steps: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -96,18 +99,19 @@ class BatchRunner:
 
     Args:
         scheduler: the BatchScheduler (used by this thread only from now on).
-        make_request: (prompt_ids, params, emit, speculative, evict, repack) -> BatchRequest, validating on
-            the caller's thread.
         idle_release_s: seconds without a request after which the runner gives its KV memory back
             (PagedKV.release_idle: the prefix cache is forgotten, the pool shrinks; then
             backend.return_free_memory), once per idle spell; None: never.
+        hold: a lock the runner's thread holds while it has requests or gives memory back (the engine's: its
+            calls from other threads then wait for the runner, which waits for them in turn); None: none.
     """
 
-    def __init__(self, scheduler: BatchScheduler, make_request: Callable[..., BatchRequest],
-                 idle_release_s: Optional[float] = None):
+    def __init__(self, scheduler: BatchScheduler, idle_release_s: Optional[float] = None,
+                 hold: Optional[Lock] = None):
         self.scheduler = scheduler
-        self._make_request = make_request
         self.idle_release_s = idle_release_s
+        self._hold = hold
+        self._holding = False  # whether this runner's thread holds `hold` now
         self.releases = 0  # idle spells that gave memory back
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -115,44 +119,74 @@ class BatchRunner:
         self._thread.start()
         _OPEN.add(self)
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_step: Optional[Callable] = None,
-               speculative: str = "off", evict: Optional[str] = None, repack: bool = True) -> RequestHandle:
-        """Queue a request (token ids and SamplingParams); returns its handle at once. on_step: called on the
-        runner's thread with each GenerationStep (or the exception that failed the request) instead of
-        queueing them in the handle (e.g. to hand them to an event loop); the handle still cancels.
-        speculative: a mode of Engine.stream_steps, used while the request runs alone (BatchScheduler solo).
-        evict, repack: token eviction as Engine.generate_batch ("POLICY:RATIO" or None).
+    def submit(self, request: BatchRequest, on_step: Optional[Emit] = None) -> RequestHandle:
+        """Queue a request built by `Engine.batch_request` (its prompt encoded, its parameters checked, its
+        speculative mode and eviction set there); returns its handle at once. on_step: called on the runner's
+        thread with each GenerationStep (or the exception that failed the request) instead of queueing them
+        in the handle (e.g. to hand them to an event loop); the handle still cancels.
 
         Raises:
-            MlxInferError: the runner is closed, or the request is invalid (as Engine.stream_steps);
-                KVBudgetError: it can never fit the KV budget.
+            RunnerClosedError: the runner is closed; KVBudgetError: the request can never fit the KV budget;
+            MlxInferError: `request` is not a BatchRequest.
         """
+        if not isinstance(request, BatchRequest):
+            raise MlxInferError(f"BatchRunner.submit takes a request built by engine.batch_request(prompt, params), "
+                                f"got {type(request).__name__}")
         if self._closed.is_set():
-            raise MlxInferError("the batch runner is closed")
+            raise RunnerClosedError("the batch runner is closed")
         handle = RequestHandle()
-        handle.request = self._make_request(prompt_ids, params, on_step or handle._put, speculative, evict, repack)
+        request.deliver_to(on_step or handle._put)
+        handle.request = request
         handle._runner = self
-        self.scheduler.check_fits(handle.request)
+        self.scheduler.check_fits(request)
         self._inbox.put(handle.request)
         return handle
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (a closed runner takes no more requests)."""
+        return self._closed.is_set()
 
     def wake(self) -> None:
         """Wake the runner's thread now (e.g. after a cancel, so that it acts before its next poll)."""
         self._inbox.put(None)
 
+    def _acquire(self) -> bool:
+        """Hold `hold` (waiting for the engine's call in progress on another thread); False when the runner
+        was closed meanwhile."""
+        while not self._holding and self._hold is not None and not self._closed.is_set():
+            self._holding = self._hold.acquire(timeout=IDLE_POLL_S)
+        return self._holding or self._hold is None
+
+    def _let_go(self) -> None:
+        """Release `hold` (the runner has nothing running)."""
+        if self._holding and self._hold is not None:
+            self._holding = False
+            self._hold.release()
+
     def _take(self, req: Optional[BatchRequest]) -> None:
-        if req is not None:
-            try:
-                self.scheduler.add(req)
-            except MlxInferError as e:
-                req.fail(e)
+        if req is None:
+            return
+        if not self._acquire():
+            req.fail(RunnerClosedError("the runner was closed before the request started"))
+            return
+        try:
+            self.scheduler.add(req)
+        except MlxInferError as e:
+            req.fail(e)
 
     def _release_when_idle(self, idle_since: Optional[float]) -> Optional[float]:
         """Give the KV memory back once the runner has been idle idle_release_s seconds; returns the idle
         spell's start, or None once released (until the next request)."""
         if idle_since is None or self.idle_release_s is None or time.monotonic() - idle_since < self.idle_release_s:
             return idle_since
-        self.scheduler.kv.release_idle()
+        if self._hold is not None and not self._hold.acquire(blocking=False):
+            return idle_since  # the engine runs a request of its own on this pool: later
+        try:
+            self.scheduler.kv.release_idle()
+        finally:
+            if self._hold is not None:
+                self._hold.release()
         return_free_memory()
         self.releases += 1
         return None
@@ -162,6 +196,7 @@ class BatchRunner:
         idle_since: Optional[float] = None  # None: nothing to give back since the last release (or the start)
         while not self._closed.is_set():
             if not sched.busy:
+                self._let_go()  # nothing running: the engine's own calls may go
                 idle_since = self._release_when_idle(idle_since)
                 try:
                     self._take(self._inbox.get(timeout=IDLE_POLL_S))
@@ -178,18 +213,19 @@ class BatchRunner:
                 sched.step()
             except Exception as e:  # a failed forward: every request in it is told, the runner goes on
                 for r in sched.fail_all():
-                    r.fail(MlxInferError(f"generation failed: {e}"))
+                    r.fail(GenerationError(f"generation failed: {e}"))
             if not sched.busy:
                 mx.clear_cache()  # idle: MLX's cache of freed buffers goes back to the system
                 idle_since = time.monotonic()
         for r in sched.fail_all():
-            r.fail(MlxInferError("the runner was closed before the request finished"))
+            r.fail(RunnerClosedError("the runner was closed before the request finished"))
+        self._let_go()
         mx.synchronize()
         mx.clear_streams()  # MLX needs a thread's streams destroyed before it ends (else the exit may abort)
 
     def close(self) -> None:
-        """Stop the thread (unfinished requests get an MlxInferError) and wait for it; idempotent (also run at
-        interpreter exit for a runner left open)."""
+        """Stop the thread (unfinished requests get a RunnerClosedError) and wait for it; idempotent (also run
+        at interpreter exit for a runner left open)."""
         self._closed.set()
         self.wake()
         if self._thread is not threading.current_thread():

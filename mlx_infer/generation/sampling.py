@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..defaults import MAX_TOKENS
-from ..errors import MlxInferError
+from ..errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -56,52 +56,55 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise MlxInferError naming the first bad parameter."""
+        """Raise RequestError (an MlxInferError) naming the first bad parameter, its `param` that field."""
         def finite(name, value):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise MlxInferError(f"{name} must be a finite number, got {value!r}")
+                raise RequestError(f"{name} must be a finite number, got {value!r}", name)
 
         def integer(value):
             return isinstance(value, int) and not isinstance(value, bool)
 
         finite("temperature", self.temperature)
         if self.temperature < 0:
-            raise MlxInferError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
         finite("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise MlxInferError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not integer(self.top_k) or self.top_k < 0:
-            raise MlxInferError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", "top_k")
         finite("min_p", self.min_p)
         if not 0 <= self.min_p < 1:
-            raise MlxInferError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1), got {self.min_p}", "min_p")
         finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise MlxInferError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+            raise RequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
+                               "repetition_penalty")
         if not integer(self.repetition_context_size) or self.repetition_context_size < 1:
-            raise MlxInferError(f"repetition_context_size must be an integer >= 1, got {self.repetition_context_size!r}")
+            raise RequestError(f"repetition_context_size must be an integer >= 1, got {self.repetition_context_size!r}",
+                               "repetition_context_size")
         for name in ("presence_penalty", "frequency_penalty"):
             finite(name, getattr(self, name))
             if not -2 <= getattr(self, name) <= 2:
-                raise MlxInferError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+                raise RequestError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}", name)
         if not integer(self.max_tokens) or self.max_tokens < 1:
-            raise MlxInferError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
-            raise MlxInferError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+            raise RequestError(f"seed must be an integer in [0, 2**64), got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise MlxInferError("stop strings must be non-empty strings")
+            raise RequestError("stop strings must be non-empty strings", "stop")
 
     def with_(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (validated again).
 
         Raises:
-            MlxInferError: a name that is not a field (e.g. a typo passed to engine.generate), naming the
+            RequestError: a name that is not a field (e.g. a typo passed to engine.generate), naming the
                 fields; or a bad value.
         """
         names = [f.name for f in fields(self) if f.init]
         unknown = sorted(set(changes) - set(names))
         if unknown:
-            raise MlxInferError(f"unknown option {unknown[0]!r}; the sampling options are {', '.join(names)}")
+            raise RequestError(f"unknown option {unknown[0]!r}; the sampling options are {', '.join(names)}",
+                               unknown[0])
         return replace(self, **changes)
 
     def for_vocab(self, vocab: int) -> "SamplingParams":
@@ -113,10 +116,11 @@ class SamplingParams:
             distribution as no top-k, and mlx-lm's `apply_top_k` takes only 0 < k < vocab.
 
         Raises:
-            MlxInferError: top_k > vocab.
+            RequestError: top_k > vocab (param "top_k").
         """
         if self.top_k > vocab:
-            raise MlxInferError(f"top_k must be <= the vocabulary size ({vocab}); 0 keeps all, got {self.top_k}")
+            raise RequestError(f"top_k must be <= the vocabulary size ({vocab}); 0 keeps all, got {self.top_k}",
+                               "top_k")
         return self.with_(top_k=0) if self.top_k == vocab else self
 
     @property

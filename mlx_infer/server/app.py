@@ -5,11 +5,12 @@ its own thread).
     app = build_app(engine, runner, ServerConfig(api_key="..."))
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
-Each request is checked (protocol.py), encoded, and submitted to the runner; its steps come back on the
-runner's thread and are handed to the event loop (call_soon_threadsafe) into the request's asyncio queue.
+Each request is checked (protocol.py), built once by the engine (Engine.batch_request: its prompt encoded,
+its parameters checked), and submitted to the runner; its steps come back on the runner's thread and are handed to the event loop (call_soon_threadsafe) into the request's asyncio queue.
 A client that disconnects cancels its request at the runner's next step (its KV blocks go back to the pool).
 Errors are OpenAI error objects, never a traceback; an internal error is logged once, with its traceback,
-on the "mlx_infer.server" logger (InternalErrors). Requests the HTTP parser rejects get the same JSON error
+on the "mlx_infer.server" logger (InternalErrors). The library's errors become error objects in one
+place, protocol.api_error, from their types' status and param. Requests the HTTP parser rejects get the same JSON error
 objects when uvicorn runs on http_protocol.JSONErrorProtocol.
 """
 
@@ -29,12 +30,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..batch import BatchRunner, RequestHandle
+from ..batch import BatchRequest, BatchRunner, RequestHandle
 from ..errors import MlxInferError
 from ..generation.results import GenerationStep
-from ..kv.errors import KVBudgetError
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
-from .protocol import APIError, ParsedRequest, field_of, parse
+from .protocol import APIError, ParsedRequest, api_error, parse
 
 log = logging.getLogger("mlx_infer.server")
 
@@ -43,10 +43,12 @@ DISCONNECT_POLL_S = 0.5
 
 
 def generation_failed(error: BaseException) -> APIError:
-    """The 500 of a request the runner failed: the runner's own MlxInferError text ('generation failed:
-    ...', 'the runner was closed ...') as it is, anything else prefixed with 'generation failed:'."""
-    text = str(error) if isinstance(error, MlxInferError) else f"generation failed: {error}"
-    return APIError(500, text, kind="server_error")
+    """The error object of a request the runner failed: the runner's own errors as their types say
+    (GenerationError 500 'generation failed: ...', RunnerClosedError 503), anything else a 500 prefixed with
+    'generation failed:'."""
+    if isinstance(error, MlxInferError):
+        return api_error(error)
+    return APIError(500, f"generation failed: {error}", kind="server_error")
 
 
 class ShuttingDown:
@@ -151,33 +153,34 @@ class Server:
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply") from None
 
-    def encode(self, parsed: ParsedRequest):
+    def build(self, parsed: ParsedRequest) -> BatchRequest:
+        """The runner's request (Engine.batch_request: the prompt encoded once, the parameters checked, the
+        server's speculative mode and eviction); raises APIError 400 naming the field at fault, the prompt's
+        when it is over the server's max_prompt_tokens."""
         chat = isinstance(parsed.prompt, list) and isinstance(parsed.prompt[0], dict)
         field = "messages" if chat else "prompt"
         try:
-            ids = self.engine.encode_fitting(parsed.prompt, chat_template=chat)
+            request = self.engine.batch_request(parsed.prompt, parsed.params, chat_template=chat,
+                                                speculative=self.config.speculative, evict=self.config.evict,
+                                                repack=self.config.repack)
         except MlxInferError as e:
-            raise APIError(400, str(e), field) from None
-        if len(ids) > self.config.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
+            raise api_error(e, field) from None
+        if len(request.prompt_ids) > self.config.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(request.prompt_ids)} tokens; this server takes at most "
                                 f"{self.config.max_prompt_tokens}", field)
-        return ids
+        return request
 
-    def submit(self, ids, parsed: ParsedRequest):
-        """(handle, asyncio queue of its steps); raises APIError 429 when full, 400 when it cannot fit."""
+    def submit(self, request: BatchRequest):
+        """(handle, asyncio queue of its steps); raises APIError 429 when full, 400 when it cannot fit, 503
+        when the runner is closed."""
         if len(self.open) >= self.capacity:
             raise APIError(429, f"the server is busy ({len(self.open)} requests in flight): retry shortly",
                            kind="rate_limit_error")
         loop, steps = asyncio.get_running_loop(), asyncio.Queue()
         try:
-            handle = self.runner.submit(ids, parsed.params, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s),
-                                        speculative=self.config.speculative, evict=self.config.evict,
-                                        repack=self.config.repack)
-        except KVBudgetError as e:  # the client's way out is its request; the budget is the server's --kv-budget
-            raise APIError(400, f"{e.problem}: lower max_tokens or shorten the prompt (the server's --kv-budget "
-                                "sets the budget)", "max_tokens") from None
+            handle = self.runner.submit(request, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s))
         except MlxInferError as e:
-            raise APIError(503 if "closed" in str(e) else 400, str(e), field_of(str(e))) from None
+            raise api_error(e) from None
         self.open[handle] = (loop, steps)
         return handle, steps
 
@@ -222,8 +225,7 @@ class Server:
     async def complete(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
         parsed = parse(await self.read_json(request), chat, self.config.max_tokens_limit, self.config.default_max_tokens)
-        ids = self.encode(parsed)
-        handle, steps = self.submit(ids, parsed)
+        handle, steps = self.submit(self.build(parsed))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
             return StreamingResponse(self.events(handle, steps, parsed, rid, chat), media_type="text/event-stream",

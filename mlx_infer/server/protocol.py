@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams
+from ..kv.errors import KVBudgetError
 from .defaults import MAX_STOP
 
 
@@ -60,11 +61,16 @@ _ONLY = {"n": (1,), "logprobs": (False, None), "echo": (False, None), "tool_choi
 MAX_TEMPERATURE = 2.0
 
 
-def field_of(message: str) -> Optional[str]:
-    """The request field an engine error message starts with ("top_k must be ..." -> "top_k"), else None:
-    the `param` of its OpenAI error object."""
-    word = message.split(" ")[0]
-    return word if word in CHAT_FIELDS | COMPLETION_FIELDS else None
+def api_error(error: MlxInferError, prompt_field: str = "prompt") -> APIError:
+    """The OpenAI error object of a library error, from its attributes (never its text): its HTTP `status`
+    and `param` (a prompt's error names the body's prompt field: "messages" for a chat); 5xx statuses are
+    server errors. A KVBudgetError is the client's to fix through its request: 400 on max_tokens, with that
+    advice (the budget is the server's --kv-budget)."""
+    if isinstance(error, KVBudgetError):
+        return APIError(400, f"{error.problem}: lower max_tokens or shorten the prompt (the server's --kv-budget "
+                             "sets the budget)", "max_tokens")
+    param = prompt_field if error.param == "prompt" else error.param
+    return APIError(error.status, str(error), param, kind="server_error" if error.status >= 500 else "invalid_request_error")
 
 
 def _same(a, b) -> bool:
@@ -182,5 +188,5 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
     try:
         params = SamplingParams(**kw)
     except MlxInferError as e:
-        raise APIError(400, str(e), field_of(str(e))) from None
+        raise api_error(e) from None
     return ParsedRequest(prompt, params, stream, bool(options.get("include_usage", False)))

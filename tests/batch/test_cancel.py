@@ -40,8 +40,8 @@ def test_a_cancelled_lone_request_stops_at_the_next_step(default_engine, mode):
     pool = sched.kv.pool
     before = pool.blocks_in_use
     out = []
-    req = default_engine._batch_request(default_engine.encode(PROMPT), SamplingParams(max_tokens=300), out.append,
-                                        mode)
+    req = default_engine.batch_request(PROMPT, SamplingParams(max_tokens=300), speculative=mode,
+                                       emit=out.append)
     sched.add(req)
     while tokens(out) < 5:
         sched.step()
@@ -62,10 +62,10 @@ def test_a_cancelled_batched_request_leaves_the_batch_at_the_next_step(default_e
     pool = sched.kv.pool
     before = pool.blocks_in_use
     first, second = [], []
-    a = default_engine._batch_request(default_engine.encode(PROMPT), SamplingParams(max_tokens=300), first.append,
-                                      "auto")
-    b = default_engine._batch_request(default_engine.encode(OTHER), SamplingParams(max_tokens=24), second.append,
-                                      "auto")
+    a = default_engine.batch_request(PROMPT, SamplingParams(max_tokens=300), speculative="auto",
+                                     emit=first.append)
+    b = default_engine.batch_request(OTHER, SamplingParams(max_tokens=24), speculative="auto",
+                                     emit=second.append)
     sched.add(a)
     sched.add(b)
     while tokens(first) < 5:
@@ -95,8 +95,9 @@ def test_cancelled_requests_through_the_runner_leave_the_pool_as_fresh(default_e
         fresh = kv.pool.blocks_in_use
         for i in range(2 * len(MODES)):
             steps: "queue.SimpleQueue" = queue.SimpleQueue()
-            handle = runner.submit(ids, SamplingParams(max_tokens=100), on_step=steps.put,
-                                   speculative=MODES[i % len(MODES)])
+            request = default_engine.batch_request(ids, SamplingParams(max_tokens=100),
+                                                   speculative=MODES[i % len(MODES)])
+            handle = runner.submit(request, on_step=steps.put)
             for _ in range(5):
                 assert steps.get().finish_reason is None
             handle.cancel()

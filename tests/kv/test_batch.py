@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_infer
 from gguf_factory import MODEL_TYPES
 from mlx_infer import SamplingParams
-from mlx_infer.errors import MlxInferError
+from mlx_infer.errors import MlxInferError, RunnerClosedError
 from mlx_infer.kernels import cpu
 from mlx_infer.kernels.paged_attention import PAGED_MAX_QUERIES
 from mlx_infer.kv import KVBudgetError, make_paged_cache, make_pool
@@ -211,7 +211,7 @@ def test_requests_join_and_leave(engine):
     steps = [[] for _ in PROMPTS]
     lengths = [3, 12, 6, 9, 4, 7]
     for p, n, out in zip(PROMPTS, lengths, steps):
-        sched.add(engine._batch_request(engine.encode(p), SamplingParams(max_tokens=n), out.append))
+        sched.add(engine.batch_request(p, SamplingParams(max_tokens=n), emit=out.append))
     widths = []
     while sched.busy:
         sched.step()
@@ -238,7 +238,7 @@ def test_prefill_leaves_the_last_prompt_tokens_to_one_forward(engine, monkeypatc
     prompts = [engine.encode(PROMPTS[0]), engine.encode(PROMPTS[4]), engine.encode(PROMPTS[1])[:1]]
     outs = [[] for _ in prompts]
     for ids, out in zip(prompts, outs):
-        sched.add(engine._batch_request(ids, SamplingParams(max_tokens=5), out.append))
+        sched.add(engine.batch_request(ids, SamplingParams(max_tokens=5), emit=out.append))
     while sched.busy:
         sched.step()
     assert len(prompts[0]) > 2 and len(prompts[1]) > 2 and len(prompts[2]) == 1
@@ -259,7 +259,7 @@ def test_lone_request_runs_on_its_own_cache(engine, kernel_calls, monkeypatch):
     steps = []
     monkeypatch.setattr(kv_batch.BatchStep, "done", lambda self: steps.append(self.shape))
     out = []
-    sched.add(engine._batch_request(engine.encode(PROMPTS[3]), SamplingParams(max_tokens=12), out.append))
+    sched.add(engine.batch_request(PROMPTS[3], SamplingParams(max_tokens=12), emit=out.append))
     while sched.busy:
         sched.step()
     assert [s.token for s in out if s.token is not None] == engine.generate(PROMPTS[3], max_tokens=12).token_ids
@@ -280,7 +280,7 @@ def test_kv_budget_admission(default_gguf):
     assert engine.kv_pool.max_blocks == 10_000_000 // engine.kv_pool.block_bytes == 13
     outs = [[], []]
     for p, out in zip(PROMPTS[:2], outs):
-        sched.add(engine._batch_request(engine.encode(p), SamplingParams(max_tokens=120), out.append))
+        sched.add(engine.batch_request(p, SamplingParams(max_tokens=120), emit=out.append))
     widths = []
     while sched.busy:
         sched.step()
@@ -296,9 +296,9 @@ def test_runner_threads_and_cancel(engine):
     got = [None] * 4
     with engine.batch_runner() as runner:
         def one(i):
-            got[i] = runner.submit(engine.encode(PROMPTS[i]), SamplingParams(max_tokens=16)).result().token_ids
+            got[i] = runner.submit(engine.batch_request(PROMPTS[i], SamplingParams(max_tokens=16))).result().token_ids
 
-        long = runner.submit(engine.encode(PROMPTS[5]), SamplingParams(max_tokens=500))
+        long = runner.submit(engine.batch_request(PROMPTS[5], SamplingParams(max_tokens=500)))
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -316,8 +316,8 @@ def test_runner_threads_and_cancel(engine):
         assert kv.pool.blocks_in_use == len(kv.prefix) == kv.prefix.idle_blocks  # only cached blocks are left
     assert list(long)[-1].finish_reason == "cancelled"
     assert got == want
-    with pytest.raises(MlxInferError, match="closed"):
-        runner.submit(engine.encode("Hi"), SamplingParams())
+    with pytest.raises(RunnerClosedError, match="closed"):
+        runner.submit(engine.batch_request("Hi"))
 
 
 def test_an_idle_runner_gives_its_kv_memory_back(engine):
@@ -327,7 +327,7 @@ def test_an_idle_runner_gives_its_kv_memory_back(engine):
     want = [engine.generate(p, max_tokens=24).token_ids for p in prompts]
     with engine.batch_runner(idle_release_s=0.5) as runner:
         kv = engine._batch_kv()
-        handles = [runner.submit(engine.encode(p), SamplingParams(max_tokens=24)) for p in prompts]
+        handles = [runner.submit(engine.batch_request(p, SamplingParams(max_tokens=24))) for p in prompts]
         assert [h.result().token_ids for h in handles] == want
         grown, initial = kv.pool.capacity, kv.pool.initial_blocks
         assert grown > initial and len(kv.prefix) > 0 and runner.releases == 0
@@ -337,7 +337,7 @@ def test_an_idle_runner_gives_its_kv_memory_back(engine):
             threading.Event().wait(0.1)
         assert runner.releases == 1
         assert kv.pool.capacity == initial and len(kv.prefix) == 0 and kv.pool.blocks_in_use == 0
-        again = runner.submit(engine.encode(prompts[0]), SamplingParams(max_tokens=24)).result()
+        again = runner.submit(engine.batch_request(prompts[0], SamplingParams(max_tokens=24))).result()
         assert again.token_ids == want[0] and again.stats.cached_prompt_tokens == 0
 
 
@@ -356,7 +356,7 @@ def test_runner_left_open_closes_at_exit(default_gguf, tmp_path):
     """A runner never closed is closed at interpreter exit (else MLX aborts the process: exit 134)."""
     script = tmp_path / "open_runner.py"
     script.write_text("import mlx_infer\nfrom mlx_infer import SamplingParams\ne = mlx_infer.load()\n"
-                      "r = e.batch_runner()\nprint(r.submit(e.encode('Hi'), SamplingParams(max_tokens=3)).result().text)\n")
+                      "r = e.batch_runner()\nprint(r.submit(e.batch_request('Hi', SamplingParams(max_tokens=3))).result().text)\n")
     for _ in range(3):  # the abort was intermittent
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-2000:]
@@ -379,8 +379,8 @@ def test_generate_batch_bad_input(engine):
     with pytest.raises(MlxInferError, match="outside the model's vocabulary"):
         engine.generate_batch([[1, 2, 10 ** 8]])
     with engine.batch_runner() as runner:
-        with pytest.raises(MlxInferError, match="takes token ids"):
-            runner.submit("Hello there", SamplingParams())
+        with pytest.raises(MlxInferError, match="takes a request built by engine.batch_request.*got str"):
+            runner.submit("Hello there")  # type: ignore[arg-type]
 
 
 COPY = ("Repeat this list exactly, twice: apples, bananas, cherries, dates, elderberries, figs, grapes, "
@@ -392,11 +392,12 @@ def test_lone_request_speculates_and_yields_to_a_newcomer(engine):
     goes back to the batch when a newcomer arrives, and both answers equal each request alone."""
     sched = engine.scheduler()
     first, second = [], []
-    sched.add(engine._batch_request(engine.encode(COPY), SamplingParams(max_tokens=60), first.append, "lookup"))
+    sched.add(engine.batch_request(COPY, SamplingParams(max_tokens=60), speculative="lookup", emit=first.append))
     while len([s for s in first if s.token is not None]) < 20:
         sched.step()
     assert sched._solo is not None  # speculating
-    sched.add(engine._batch_request(engine.encode(PROMPTS[1]), SamplingParams(max_tokens=12), second.append, "lookup"))
+    sched.add(engine.batch_request(PROMPTS[1], SamplingParams(max_tokens=12), speculative="lookup",
+                                   emit=second.append))
     sched.step()
     assert sched._solo is None and len(sched.running) == 2  # the newcomer joined; the first went on batched
     while sched.busy:

@@ -90,7 +90,7 @@ def max_running(engine, prompts, evict, repack, max_tokens=100):
     sched = engine.scheduler()
     steps = [[] for _ in prompts]
     for p, s in zip(prompts, steps):
-        sched.add(engine._batch_request(p, SamplingParams(max_tokens=max_tokens), s.append, "off", evict, repack))
+        sched.add(engine.batch_request(p, SamplingParams(max_tokens=max_tokens), evict=evict, repack=repack, emit=s.append))
     most = 0
     while sched.busy:
         sched.step()
@@ -132,8 +132,8 @@ def test_runner_submit_with_eviction(paged, passages):
     want = paged.generate(passages[0], max_tokens=12, evict="streaming:0.5")
     paged.reset()
     with paged.batch_runner() as runner:
-        handles = [runner.submit(passages[0], SamplingParams(max_tokens=12), evict="streaming:0.5"),
-                   runner.submit(passages[1], SamplingParams(max_tokens=12))]
+        handles = [runner.submit(paged.batch_request(passages[0], SamplingParams(max_tokens=12), evict="streaming:0.5")),
+                   runner.submit(paged.batch_request(passages[1], SamplingParams(max_tokens=12)))]
         got = [h.result() for h in handles]
     assert got[0].token_ids == want.token_ids and got[0].stats.kv["evicted_tokens"] > 0
     assert got[1].stats.kv is None
@@ -143,9 +143,9 @@ def test_result_after_iterating_returns_the_whole_answer(paged, passages):
     """A handle iterated to its end, or half-way, still gives its whole result (it used to wait forever)."""
     paged.reset()
     with paged.batch_runner() as runner:
-        whole = runner.submit(passages[2], SamplingParams(max_tokens=8))
+        whole = runner.submit(paged.batch_request(passages[2], SamplingParams(max_tokens=8)))
         steps = list(whole)
-        half = runner.submit(passages[2], SamplingParams(max_tokens=8))
+        half = runner.submit(paged.batch_request(passages[2], SamplingParams(max_tokens=8)))
         first = next(iter(half))
         assert whole.result() == collect(steps) and half.result().token_ids == collect(steps).token_ids
         assert first.token == steps[0].token and len(collect(steps).token_ids) == 8

@@ -19,7 +19,7 @@ import pytest
 from server_helpers import live_server
 
 import mlx_infer
-from mlx_infer.errors import MlxInferError
+from mlx_infer.errors import GenerationError
 from mlx_infer.server import ServerConfig, build_app
 from mlx_infer.server.app import generation_failed
 
@@ -215,7 +215,7 @@ def test_bad_content_length_reaching_the_app_is_a_400(engine):
 
 def test_a_failed_generation_says_so_once():
     """The runner's own error already reads 'generation failed: ...' (it said it twice)."""
-    ran = generation_failed(MlxInferError("generation failed: a forward broke")).body()["error"]
+    ran = generation_failed(GenerationError("generation failed: a forward broke")).body()["error"]
     other = generation_failed(RuntimeError("a forward broke")).body()["error"]
     assert ran["message"] == other["message"] == "generation failed: a forward broke"
     assert ran["type"] == other["type"] == "server_error"
