@@ -1,19 +1,24 @@
 """`mlx-infer bench`: TTFT, prefill and decode speed of a model, plain and speculative, side by side.
 
-A quick check of one model on this machine, as llama.cpp's llama-bench is; the reproducible comparisons
-against the peers (mlx-lm, llama.cpp, mlx-dspark) are bench/decode.py and bench/spec.py in the repo.
+A quick check of one model on this machine, as llama.cpp's llama-bench is. With --suite it runs the
+benchmark suites of mlx_infer.benchmark against mlx-lm (and llama.cpp when found) on the same weights, and
+--report DIR writes report.md, results.json, machine.json and PNG plots: the measuring is the library's,
+this module only parses flags and draws the progress.
 """
 
 import json
 import statistics
 import sys
 import time
-from typing import Annotated, List, Optional
+from pathlib import Path
+from typing import Annotated, List, Optional, Sequence
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mlx_infer.benchmark.defaults import BATCH_SIZES, LONG_CONTEXTS, PREFILL_LENGTHS, SUITES
 from mlx_infer.defaults import SPEC_MODEL_MODES as MODEL_MODES, SPEC_MODES as MODES
 from mlx_infer.errors import MlxInferError
 
@@ -44,6 +49,19 @@ def bench(
         "--concurrency", "-c", min=1,
         help="Time N copies of PROMPT decoded together (continuous batching) against the same N one after "
              "another, instead of the --spec modes.")] = None,
+    suite: Annotated[Optional[str], typer.Option(
+        "--suite", metavar="SUITES",
+        help=f"Run benchmark suites instead (comma-separated: {', '.join(SUITES)}, or all), each against mlx-lm "
+             "on the same weights (and llama.cpp when found), interleaved; PROMPT is not used.")] = None,
+    report: Annotated[Optional[Path], typer.Option(
+        "--report", metavar="DIR", help="With --suite: write report.md, results.json, machine.json and plots "
+                                        "(matplotlib: pip install 'mlx-infer[bench]') into DIR.")] = None,
+    lengths: Annotated[str, typer.Option(
+        "--lengths", metavar="N,N", help="Prompt lengths (tokens) of the prefill suite.")] = ",".join(map(str, PREFILL_LENGTHS)),
+    contexts: Annotated[str, typer.Option(
+        "--contexts", metavar="N,N", help="Contexts (tokens) of the long suite.")] = ",".join(map(str, LONG_CONTEXTS)),
+    batch_sizes: Annotated[str, typer.Option(
+        "--batch-sizes", metavar="N,N", help="Requests decoded together in the batch suite.")] = ",".join(map(str, BATCH_SIZES)),
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -61,6 +79,11 @@ def bench(
             if value < 1:
                 raise MlxInferError(f"{flag} must be >= 1, got {value}")
         kv_quant(kv_bits)  # a bad --kv-bits fails before the model loads
+        if suite is not None:
+            return run_suites(suite, model, weights, rmm, kv_bits, spec, draft_model, concurrency, trials, max_tokens,
+                              (lengths, contexts, batch_sizes), report, as_json, verbose)
+        if report is not None:
+            raise MlxInferError("--report writes the results of --suite: add --suite decode (or another suite)")
         if concurrency is not None:
             if spec or draft_model:
                 raise MlxInferError("--concurrency times plain batched decoding: drop --spec / --draft-model")
@@ -169,3 +192,107 @@ def show_concurrency(engine, prompt: str, n: int, max_tokens: int, trials: int, 
         table.add_row(r["system"], str(r["tokens"]), f"{r['wall_s']:.2f}", f"{r['total_tps']:.1f}",
                       f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO")
     Console(highlight=False).print(table)
+
+
+def int_list(text: str, flag: str) -> List[int]:
+    """'128,512' -> [128, 512].
+
+    Raises:
+        MlxInferError: an entry that is not an integer >= 1 (naming the flag)."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise MlxInferError(f"{flag} takes comma-separated integers >= 1 (such as 128,512), got {text!r}")
+    return values
+
+
+def run_suites(suite: str, model, weights, rmm, kv_bits, spec: Optional[Sequence[str]], draft_model, concurrency,
+               trials: int, max_tokens: int, lists, report: Optional[Path], as_json: bool, verbose: bool) -> None:
+    """`bench --suite ...`: check the flags, load the model, run the suites with a progress bar on stderr, print
+    the tables (or --json) and write the --report folder."""
+    from mlx_infer.benchmark.options import BenchOptions, parse_suites
+
+    names = parse_suites(suite)
+    if concurrency is not None or draft_model:
+        raise MlxInferError("--suite runs its own concurrency levels and modes: drop --concurrency / --draft-model "
+                            "(--batch-sizes and --spec choose them)")
+    modes = [m.strip().lower() for m in spec] if spec else None
+    for m in modes or []:
+        if m not in MODES or m in ("draft",):
+            raise MlxInferError(f"--spec {m!r} cannot run in the spec suite: use {', '.join(x for x in MODES if x != 'draft')}")
+    lengths, contexts, sizes = (int_list(text, flag) for text, flag in
+                                zip(lists, ("--lengths", "--contexts", "--batch-sizes")))
+    options = BenchOptions(trials=trials, max_tokens=max_tokens, lengths=lengths, contexts=contexts,
+                           batch_sizes=sizes, kv_bits_after=kv_bits, **({"modes": modes} if modes else {}))
+    from mlx_infer.benchmark import suites as bench_suites
+
+    engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
+    engine.configure_kv(kv_bits=kv_bits)
+    with SuiteProgress() as progress:
+        results = bench_suites.run_suites(engine, names, options, progress)
+    if as_json:
+        sys.stdout.write(json.dumps(results) + "\n")
+    else:
+        from mlx_infer.benchmark.report import suite_table
+
+        for one in results["suites"].values():
+            sys.stdout.write("\n".join(suite_table(one)) + "\n")
+    if report is not None:
+        write_report(report, results, engine)
+
+
+def write_report(folder: Path, results: dict, engine) -> None:
+    """The --report folder: the machine (mlx_infer.benchmark.machine and the kernels `doctor` reports), the
+    tables, results.json and the plots (skipped, with the reason in report.md, without matplotlib)."""
+    from mlx_infer.benchmark.machine import describe
+    from mlx_infer.benchmark.report import write_report as write
+
+    from .doctor import collect
+
+    info = collect()
+    machine = {**describe(), "kernels": kernels_line(info), "kernel_threads": info["kernel_threads"],
+               "quantized_layers": engine.source.kernels or "MLX"}
+    try:
+        from mlx_infer.benchmark.plots import write_plots
+        plotter, note = write_plots, None
+    except ImportError as e:
+        plotter, note = None, f"matplotlib is not installed ({e}): pip install 'mlx-infer[bench]'"
+    command = "mlx-infer " + " ".join(sys.argv[1:])
+    files = write(folder, results, machine, command, plotter, note)
+    stderr_console.print(f"wrote {', '.join(str(f) for f in files)}" + (f"\n{note}" if note else ""))
+
+
+def kernels_line(info: dict) -> str:
+    """Which kernels run, from `doctor`'s collect(): the quantized matmul, attention, RMM, paged KV, layers."""
+    if info["kernels_missing"]:
+        return f"CPU kernels off: {info['kernels_missing']}"
+    layers = info["layer_kernels"]
+    return (f"quantized matmul {info['kernels']}, quantized-KV attention {info['attention_kernel']}, RMM "
+            f"{info['rmm_kernel']}, paged attention {info['paged_kv_kernels']['attention']}, RMSNorm / RoPE / SwiGLU "
+            f"{layers['rms_norm']} / {layers['rope']} / {layers['swiglu']}")
+
+
+stderr_console = Console(stderr=True, highlight=False)
+
+
+class SuiteProgress:
+    """The suites' progress callback (suite, runs done, runs in it): a rich progress bar per suite on stderr."""
+
+    def __init__(self):
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=stderr_console, transient=False)
+        self.tasks: dict = {}
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def __call__(self, suite: str, done: int, total: int) -> None:
+        if suite not in self.tasks:
+            self.tasks[suite] = self.progress.add_task(f"bench {suite}", total=total)
+        self.progress.update(self.tasks[suite], completed=done, total=total)
