@@ -53,7 +53,7 @@ from common import machine, pyplot, write_result  # noqa: E402
 from gguf_factory import TinySpec, random_weights, write_gguf  # noqa: E402
 from kv_core import wikitext_ids  # noqa: E402
 
-from mlx_infer.engine import common_prefix  # noqa: E402
+from mlx_infer.kv.store import common_prefix  # noqa: E402
 from mlx_infer.generation.results import collect  # noqa: E402
 from mlx_infer.kv.defaults import OBSERVE_PERIOD  # noqa: E402
 from mlx_infer.kv.options import parse_budget  # noqa: E402

@@ -86,7 +86,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E4
 from ppl import mean_kl, ppl, wikitext_windows, window_nll  # noqa: E402
 from spec import load_prompts  # noqa: E402
 
-from mlx_infer.engine import common_prefix  # noqa: E402
+from mlx_infer.kv.store import common_prefix  # noqa: E402
 from mlx_infer.generation.decode import plain_tokens  # noqa: E402
 from mlx_infer.generation.sampling import SamplingParams  # noqa: E402
 from mlx_infer.kernels import cpu  # noqa: E402

@@ -123,7 +123,7 @@ def fake_tokens(monkeypatch):
     Usage: fake_tokens([1, 2, 3]); engine.generate(...). Returns the list of calls (prompt ids,
     max_tokens) so a test can check what the engine asked for.
     """
-    import mlx_infer.engine
+    import mlx_infer.generation.request
 
     calls = []
 
@@ -135,7 +135,7 @@ def fake_tokens(monkeypatch):
                     return
                 yield int(t)
 
-        monkeypatch.setattr(mlx_infer.engine, "plain_tokens", plain_tokens)
+        monkeypatch.setattr(mlx_infer.generation.request, "plain_tokens", plain_tokens)
         return calls
 
     return install

@@ -3,7 +3,8 @@ prefix (a chat's next turn), with exactly the tokens a fresh prefill gives."""
 
 import pytest
 
-from mlx_infer.engine import Engine, common_prefix
+from mlx_infer.engine import Engine
+from mlx_infer.kv.store import common_prefix
 
 TURNS = ["Tell me a story about a cat and a dog who live together in a small house.", "And then?", "Why?"]
 

@@ -54,7 +54,8 @@ def probe_kv_layout(model: nn.Module) -> Tuple[int, int, int, mx.Dtype]:
 
 
 class PagedKV:
-    """The paged KV cache of one engine: one BlockPool shared by its requests (one at a time here).
+    """The paged KV cache of one engine: one BlockPool shared by its requests (one at a time here, or a batch:
+    batch/scheduler.py); a KVStore (kv/store.py), as DenseStore is.
 
     Args:
         model: the engine's mlx-lm model.
@@ -77,6 +78,9 @@ class PagedKV:
             self.pool.configure(*layout)
         self.prefix = PrefixCache(self.pool)  # shared full blocks (batched requests: BatchScheduler)
         self._streams = _ThreadStream()  # the repacker's copy stream, one per thread using the engine
+
+    kind = "paged"
+    evicts = True
 
     def repack_stream(self) -> mx.Stream:
         """The stream repacking copies run on, for the calling thread (MLX streams belong to the thread that
@@ -116,6 +120,24 @@ class PagedKV:
         if table.n_live == table.length <= len(tokens) and all(c.offset == table.length for c in cache):
             self.prefix.insert(list(tokens)[:table.length], table.blocks)
         release(cache)
+
+    def release(self, cache: Optional[list]) -> None:
+        """A request ends without keeping its KV: every block it holds goes back to the pool."""
+        release(cache)
+
+    def track(self, cache: List[PagedKVCache], evict: Optional[EvictSpec], repack: bool = True) -> "KVRequest":
+        """The KVRequest of a lone request (its eviction, its block record, GenerationStats.kv)."""
+        return KVRequest(self, cache, evict, repack)
+
+    def reset(self) -> int:
+        """Forget the prefix cache and shrink the pool when no request holds a block (release_idle); returns
+        the bytes released."""
+        self.prefix.clear()
+        return self.release_idle()
+
+    def batch_kv(self) -> "PagedKV":
+        """Batched requests share this pool."""
+        return self
 
     def ensure_layout(self) -> None:
         """Fix the pool's layout before the first request (its budget in blocks needs it): the K/V shape and

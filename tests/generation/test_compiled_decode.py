@@ -140,7 +140,7 @@ def test_prefill_and_other_caches_run_the_model(default_engine_native):
     assert not CompiledDecode.applies(model, make_quant_cache(model, kv_quant("8")))
     default_engine_native.configure_kv(kv_cache="paged")
     try:
-        assert not CompiledDecode.applies(model, default_engine_native._fresh_cache())
+        assert not CompiledDecode.applies(model, default_engine_native._store.new_cache())
     finally:
         default_engine_native.configure_kv()
 

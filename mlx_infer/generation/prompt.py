@@ -1,0 +1,128 @@
+"""Prompts to token ids and back, with the checks that give a user one line saying what is wrong: a string, a
+list of chat messages (through the model's chat template) or token ids.
+
+    prompts = PromptCodec(tokenizer, vocab_size=49152)
+    ids = prompts.fitting([{"role": "user", "content": "Hi"}], context_length=8192)  # room for one token after it
+    text = prompts.decode(ids)
+"""
+
+import numbers
+from collections.abc import Iterable
+from typing import Any, List, Optional, Sequence, Union
+
+from ..errors import MlxInferError
+
+Messages = Sequence[dict]
+Prompt = Union[str, Messages, Sequence[int]]
+
+
+def check_unicode(text: str) -> None:
+    """Raise MlxInferError for text the tokenizer cannot take: a lone surrogate, which is how Python keeps
+    bytes that are not UTF-8 (a command-line argument or stdin in another encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MlxInferError(f"the prompt is not valid UTF-8 text (an undecodable byte at character {e.start}); "
+                            "convert it to UTF-8 first (e.g. with iconv)") from None
+
+
+class PromptCodec:
+    """A model's prompts: encode (chat template, checks), decode.
+
+    Args:
+        tokenizer: the model's mlx-lm TokenizerWrapper.
+        vocab_size: rows of the model's logits (token ids must be below it).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def fitting(self, prompt: Prompt, context_length: int, system: Optional[str] = None,
+                chat_template: bool = True) -> List[int]:
+        """`encode`, and check that at least one token fits after the prompt in the context window
+        (context_length tokens).
+
+        Raises:
+            MlxInferError: as `encode`, or a prompt that fills the context window.
+        """
+        prompt_ids = self.encode(prompt, system, chat_template)
+        if len(prompt_ids) >= context_length:
+            raise MlxInferError(
+                f"the prompt has {len(prompt_ids)} tokens but the context window is {context_length}; shorten it"
+            )
+        return prompt_ids
+
+    def encode(self, prompt: Prompt, system: Optional[str] = None, chat_template: bool = True) -> List[int]:
+        """Prompt token ids.
+
+        Args:
+            prompt: a string, a list of chat messages ({"role", "content"}), or token ids.
+            system: a system prompt, put first (chat template only).
+            chat_template: apply the model's chat template to a string prompt (when it has one).
+
+        Raises:
+            MlxInferError: empty prompt, bad messages, text that is not valid Unicode (bytes that were not
+                UTF-8, kept by Python as lone surrogates), token ids outside the vocabulary, or a system
+                prompt without a chat template.
+        """
+        if isinstance(prompt, str):
+            check_unicode(prompt)
+            if not prompt.strip():
+                raise MlxInferError("the prompt is empty; give some text")
+            if not (chat_template and self.tokenizer.has_chat_template):
+                if system:
+                    raise MlxInferError("a system prompt needs a chat template, and this model has none (or --no-chat-template was given)")
+                return list(self.tokenizer.encode(prompt))
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, dict):
+            raise MlxInferError("a chat prompt is a list of messages: wrap the message in a list ([{...}])")
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+            raise MlxInferError(f"the prompt must be a string, a list of chat messages or a list of token ids "
+                                f"(ints), got {type(prompt).__name__}")
+        items: List[Any] = list(prompt)
+        if not items:
+            raise MlxInferError("the prompt is empty; give some text")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return self.checked_ids(items)
+        return self._chat(items, system)
+
+    def _chat(self, items: List[Any], system: Optional[str]) -> List[int]:
+        """The token ids of chat messages through the model's chat template, the generation prompt added."""
+        if not all(isinstance(m, dict) for m in items):
+            raise MlxInferError("a list prompt must hold token ids (ints) or chat messages (dicts with 'role' and "
+                                "'content'), not a mix or other values")
+        for m in items:
+            if "role" not in m or not isinstance(m.get("content"), str):
+                raise MlxInferError("each chat message must be a dict with 'role' and 'content' (a string)")
+            check_unicode(m["content"])
+        if system:
+            check_unicode(system)
+        if not self.tokenizer.has_chat_template:
+            raise MlxInferError("this model has no chat template; pass a plain string prompt")
+        if system:
+            items = [{"role": "system", "content": system}] + [m for m in items if m["role"] != "system"]
+        return list(self.tokenizer.apply_chat_template(items, add_generation_prompt=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included: the inverse of `encode` for a plain string prompt.
+
+        Raises:
+            MlxInferError: an id that is not an int in the model's vocabulary.
+        """
+        try:
+            ids = None if isinstance(token_ids, (str, bytes)) else list(token_ids)
+        except TypeError:
+            ids = None
+        if ids is None:
+            raise MlxInferError(f"decode takes a list of token ids (ints), got {type(token_ids).__name__}")
+        return self.tokenizer.decode(self.checked_ids(ids))
+
+    def checked_ids(self, ids: List) -> List[int]:
+        """ids as ints, or MlxInferError naming the first that is not an int or not in 0..vocab_size - 1."""
+        odd = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if odd is not None:
+            raise MlxInferError(f"token ids must be ints, got {odd!r} ({type(odd).__name__})")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise MlxInferError(f"token id {bad!r} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        return [int(t) for t in ids]
