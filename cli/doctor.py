@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, List, Optional, Tuple
 
@@ -227,12 +228,65 @@ def render(info: dict) -> Table:
     return table
 
 
+def kernel_checks(model: Optional[str], recheck: bool) -> dict:
+    """The kernel self-check (mlx_infer/kernels/selfcheck.py) at the shapes of `model` (None: the default
+    model), as plain JSON-ready values: {"model", "device", "mlx_version", "kernels": [KernelCheck fields]}."""
+    import mlx.core as mx
+
+    from mlx_infer.kernels import selfcheck
+    from mlx_infer.loading import load_model
+
+    net, _, config, source = load_model(model)
+    checks = selfcheck.check_kernels(selfcheck.model_shapes(net, config), recheck=recheck, say=_say)
+    return {"model": source.name, "device": selfcheck.device_name(), "mlx_version": mx.__version__,
+            "kernels": [asdict(c) for c in checks]}
+
+
+def _say(line: str) -> None:
+    print(f"mlx-infer: {line}", file=sys.stderr, flush=True)
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+def render_kernels(report: dict) -> Table:
+    """The kernel self-check as one table: kernel, device, max error (tolerance), time, MLX's time, which one
+    is used, and why."""
+    table = Table(title=f"mlx-infer kernels on {report['device']} (model: {report['model']})", title_justify="left")
+    for name in ("kernel", "device", "max error", "time", "MLX's time", "used", "why"):
+        table.add_column(name, overflow="fold")
+    for c in report["kernels"]:
+        error = "-" if c["max_error"] is None else f"{c['max_error']:.1e} (tol {c['tolerance']:.0e})"
+        used = "custom kernel" if c["used"] else "MLX's op"
+        style = "" if c["passed"] or c["max_error"] is None else "[red]"
+        table.add_row(c["label"], c["device"], f"{style}{error}", _ms(c["time_s"]), _ms(c["mlx_time_s"]), used,
+                      escape(c["reason"]))
+    return table
+
+
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    kernels: Annotated[bool, typer.Option(
+        "--kernels", help="Check every custom kernel the model would use on this device: its error against the "
+                          "pure-mx reference and its time against MLX's own operation, and which one runs "
+                          "(cached per device and MLX version).")] = False,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="With --kernels: the model whose shapes are checked (default: the default model).")] = None,
+    recheck: Annotated[bool, typer.Option(
+        "--recheck", help="With --kernels: check again even where the results are cached.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Show the MLX version and backend, device, memory, the model cache, the default model and the BLAS."""
+    """Show the MLX version and backend, device, memory, the model cache, the default model and the BLAS;
+    with --kernels, the kernel self-check."""
     with user_errors(verbose):
+        if kernels:
+            report = kernel_checks(model, recheck)
+            if as_json:
+                print(json.dumps(report, indent=2))
+            else:
+                Console(highlight=False, width=max(Console().width, 160)).print(render_kernels(report))
+            return
         info = collect()
         if as_json:
             print(json.dumps(info, indent=2))

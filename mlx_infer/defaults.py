@@ -62,3 +62,23 @@ SERVE_MAX_TOKENS_LIMIT = 4096
 #: Requests waiting for a place in the server's batch beyond the running ones; more get 429 (not a stalled
 #: queue; server/defaults.py: MAX_QUEUE).
 SERVE_MAX_QUEUE = 64
+
+# The kernel self-check (kernels/selfcheck.py, `mlx-infer doctor --kernels`).
+#: Row counts of x the quantized matmul is checked at (decode and the verify widths).
+SELFCHECK_QMM_WIDTHS = tuple(range(1, 17))
+#: Query positions attention (quantized-KV, paged) and RMM's product are checked at.
+SELFCHECK_WIDTHS = (1, 4, 16)
+#: Cached tokens the attention kernels are checked over.
+SELFCHECK_CONTEXT = 1024
+#: Bits of the quantized KV cache the attention kernel is checked with.
+SELFCHECK_KV_BITS = (8, 4)
+#: RMM's retention the gathered product is checked at (kept groups: rmm.group_keep).
+SELFCHECK_RMM_RETENTION = 0.5
+#: Largest error allowed, relative to the reference's largest magnitude, by the result's dtype; with int8
+#: activations (the CPU's opt-in lossy products) SELFCHECK_INT8_TOLERANCE.
+SELFCHECK_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
+SELFCHECK_INT8_TOLERANCE = 5e-2
+#: Timed runs per case (their median counts; one untimed run first), and the seconds of timing per kernel
+#: after which its remaining (costlier) cases are checked for values but not timed.
+SELFCHECK_REPEATS = 3
+SELFCHECK_TIME_BUDGET_S = 2.0

@@ -18,7 +18,7 @@ from typing import Tuple
 
 import mlx.core as mx
 
-from . import cpu
+from . import cpu, switch
 from .gpu_attention import ATTN_GPU_MAX_ROWS, ATTN_HEAD_DIMS, cuda_quant_attention, metal_quant_attention
 from .gpu_qmm import cuda_available, metal_available
 from .paged_attention import in_query_blocks
@@ -47,10 +47,11 @@ def packed_bits(packed: Packed, group_size: int) -> Tuple[int, int]:
 
 def attention_backend() -> str:
     """Which implementation `quant_attention` runs for decode and verify rows here: 'metal', 'cuda' (the
-    GPU kernel of metal_kernels/quant_attention.metal), 'cpu-<isa>' (the CPU kernel) or 'reference'."""
-    if metal_available():
+    GPU kernel of metal_kernels/quant_attention.metal, only where the kernel self-check passed it on this
+    device: kernels/switch.py), 'cpu-<isa>' (the CPU kernel) or 'reference'."""
+    if metal_available() and switch.enabled("quant_attention"):
         return "metal"
-    if cuda_available():
+    if cuda_available() and switch.enabled("quant_attention"):
         return "cuda"
     return cpu.cpu_backend()
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import cpu
+from . import cpu, switch
 from .gpu_qmm import QMM_MAX_ROWS, cuda_available, cuda_qmm, metal_available, metal_qmm
 
 #: Weight rows dequantized at a time by the CPU wide path (8192 x K float32: 19 MB at K = 576).
@@ -29,10 +29,13 @@ __all__ = ["QMM_MAX_ROWS", "WIDE_TILE_ROWS", "gpu_operands", "qmm", "qmm_backend
 
 
 def qmm_backend() -> str:
-    """Which implementation `qmm` runs for skinny products here: 'metal', 'cuda', 'cpu-avx512',
+    """Which implementation `qmm` runs for skinny products here: 'metal', 'cuda' (only where the kernel
+    self-check recorded it as correct and faster on this device: kernels/switch.py), 'cpu-avx512',
     'cpu-avx2', 'cpu-neon', 'cpu-generic' or 'reference' (MLX's own mx.quantized_matmul). On the CPU
     the first call may build the CPU kernels (see mlx_infer.kernels.cpu)."""
     if mx.default_device() == mx.gpu:
+        if not switch.enabled("qmm"):
+            return "reference"
         if metal_available():
             return "metal"
         if cuda_available():
@@ -65,9 +68,10 @@ def gpu_operands(x: mx.array, scales: mx.array, biases: mx.array):
 
 def _skinny(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
             bits: int) -> mx.array:
-    """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on the GPU kernel available, else the reference (the CPU
-    kernel takes its rows before this, in qmm)."""
-    if mx.default_device() == mx.gpu:
+    """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on the GPU kernel available where the kernel self-check
+    passed it on this device (switch.enabled("qmm")), else the reference (the CPU kernel takes its rows
+    before this, in qmm)."""
+    if mx.default_device() == mx.gpu and switch.enabled("qmm"):
         operands = gpu_operands(x, scales, biases)
         if operands is not None and metal_available():
             return metal_qmm(x, w, *operands, group_size, bits)

@@ -14,11 +14,12 @@ layers: much faster decode and prefill for a little more memory (measured in doc
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from .qmm import qmm
 
 __all__ = ["KERNEL_BITS", "KERNEL_GROUP_SIZES", "WIDENED_BITS", "KernelQuantizedEmbedding", "KernelQuantizedLinear",
-           "linear_add", "supports", "widen_codes"]
+           "linear_add", "supports", "use_gpu_qmm", "widen_codes"]
 
 #: What the kernels take: MLX's affine mode at these bit widths and group sizes.
 KERNEL_BITS = (4, 8)
@@ -124,3 +125,30 @@ def linear_add(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
         return qmm(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits,
                    residual=residual)
     return residual + layer(x)
+
+
+def use_gpu_qmm(model: nn.Module) -> int:
+    """Swap `model`'s nn.QuantizedLinear / nn.QuantizedEmbedding layers of 4 or 8 bits (KERNEL_BITS; others
+    keep MLX's own product: no codes widened on a GPU) for the kernel layers, in place (same arrays), so that
+    their skinny products run on the GPU kernel (qmm; kernels/selfcheck.py's checked_gpu_kernels calls this
+    only where that kernel passed its check on this device and was faster).
+
+    Returns:
+        How many layers were swapped.
+    """
+    swapped = 0
+
+    def swap(path: str, module: nn.Module) -> nn.Module:
+        nonlocal swapped
+        if not (supports(module) and module.bits in KERNEL_BITS):
+            return module
+        if type(module) is nn.QuantizedLinear:
+            swapped += 1
+            return KernelQuantizedLinear(module)
+        if type(module) is nn.QuantizedEmbedding:
+            swapped += 1
+            return KernelQuantizedEmbedding(module)
+        return module
+
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    return swapped

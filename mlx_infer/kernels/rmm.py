@@ -22,7 +22,7 @@ import math
 
 import mlx.core as mx
 
-from . import cpu
+from . import cpu, switch
 from .gpu_qmm import cuda_available, metal_available
 from .gpu_rmm import RMM_MAX_GROUPS, cuda_rmm_qmm, metal_rmm_qmm
 from .qmm import QMM_MAX_ROWS, gpu_operands, qmm, reference_qmm
@@ -68,8 +68,10 @@ def kept_columns(x: mx.array, group_size: int, keep: int) -> mx.array:
 
 def rmm_backend() -> str:
     """Which implementation rmm_qmm runs for skinny products here: 'metal', 'cuda', 'cpu-<isa>' or
-    'reference'."""
+    'reference' (the GPU kernels only where the kernel self-check passed them on this device: kernels/switch.py)."""
     if mx.default_device() == mx.gpu:
+        if not switch.enabled("rmm_qmm"):
+            return "reference"
         return "metal" if metal_available() else "cuda" if cuda_available() else "reference"
     return f"cpu-{cpu.isa()}" if cpu.available() else "reference"
 
@@ -79,7 +81,7 @@ def _skinny(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_
     """x [M, K], M <= QMM_MAX_ROWS -> y [M, N] on a kernel, or None where none takes the operands."""
     if mx.default_device() == mx.gpu:
         operands = gpu_operands(x, scales, biases)
-        if operands is None or x.shape[1] // group_size > RMM_MAX_GROUPS:
+        if operands is None or x.shape[1] // group_size > RMM_MAX_GROUPS or not switch.enabled("rmm_qmm"):
             return None
         if metal_available():
             return metal_rmm_qmm(x, w, *operands, group_size, bits, keep)

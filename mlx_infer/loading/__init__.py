@@ -14,6 +14,7 @@ from ..errors import MlxInferError, ModelNotFoundError
 from ..kernels import cpu as cpu_kernels
 from ..kernels.linear import supports, use_kernels
 from ..kernels.qmm import qmm_backend
+from ..kernels.selfcheck import checked_gpu_kernels
 from ..kv.attention_hook import install as install_attention
 from . import default, gguf, hub
 
@@ -121,6 +122,8 @@ def load_model(
         net = to_float32(net)
     if cpu_here:
         use_kernels(net)  # the quantized layers (native weights), RMSNorm and RoPE
+    else:  # Metal / CUDA: the custom kernels that passed their check on this device (cached), else MLX's ops
+        checked_gpu_kernels(net, config, (lambda msg: progress(0, 0, msg)) if progress else None)
     install_attention(net)  # attention through mlx-infer's layers (kv/attention_hook.py): kernels, quantized KV
     if kernels:
         source.kernels = qmm_backend()

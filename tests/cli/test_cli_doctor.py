@@ -144,3 +144,29 @@ def test_doctor_flags_a_cache_that_cannot_be_written(run_cli, tmp_path):
     assert "not writable" in table.stdout and "MLX_INFER_CACHE" in table.stdout
     ok = json.loads(run_cli("doctor", "--json", env=cli_env(MLX_INFER_CACHE=str(tmp_path / "c"), MLX_INFER_KERNELS="off")).stdout)
     assert ok["cache_unwritable"] is None
+
+
+def test_doctor_kernels_checks_every_kernel_on_the_default_model(run_cli, tmp_path):
+    """`doctor --kernels --json`: one row per kernel on this device with its error against the reference
+    (the CPU kernels: real, below the tolerance) and whether it runs; a second run reads the cached check."""
+    env = cli_env(MLX_INFER_CACHE=str(tmp_path / "cache"))
+    proc = run_cli("doctor", "--kernels", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["model"] == "default" and report["mlx_version"] == mx.__version__
+    rows = {c["name"]: c for c in report["kernels"]}
+    assert list(rows) == ["qmm", "quant_attention", "paged_attention", "rmm_qmm"]
+    assert "checking mlx-infer's kernels" in proc.stderr
+    assert list((tmp_path / "cache" / "kernel-checks").glob("*.json"))
+    if report["device"].startswith("cpu ") and not report["device"].endswith(" reference"):
+        for c in rows.values():  # the CPU kernels at the default model's shapes (float16 scales)
+            assert c["device"] == report["device"] and c["used"] and c["passed"], c
+            assert 0 < c["max_error"] < c["tolerance"] == 1e-2, c
+            assert c["time_s"] > 0 and c["mlx_time_s"] > 0
+        assert rows["qmm"]["cases"] == 5 * 16  # its five quantized shapes (the tied lm_head too), rows 1..16
+    again = run_cli("doctor", "--kernels", env=env)  # the table, from the cache
+    assert again.returncode == 0, again.stderr
+    assert "checking mlx-infer's kernels" not in again.stderr
+    for text in ("quantized matmul", "quantized-KV attention", "paged attention", "RMM gathered product",
+                 "max error", "MLX's time"):
+        assert text in again.stdout, text
