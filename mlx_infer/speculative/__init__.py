@@ -4,7 +4,8 @@
     state.py      SpecState: what the Engine keeps per target (loaded drafters, schedulers, curves, priors)
     resolve.py    what a request names -> drafters (paths, checkpoints, the registry's entries)
     registry.py   the data of models/registry.json (target -> drafter)
-    loop.py       one round: draft -> one target forward -> verify -> commit -> KV rollback
+    loop.py       the algorithm: draft -> one target forward -> verify -> commit -> KV rollback
+    feedback.py   beside it, once per round: the round's times, SpecStats, what the policy learns
     verify.py     pure accept/reject (greedy; exact speculative sampling, arXiv 2211.17192 / 2302.01318)
     schedule.py   the draft-length policies: FixedGamma, DraftScheduler (max_draft="auto")
     cost.py       the target's verify cost by width (measured once, cached)

@@ -1,5 +1,11 @@
 """The speculative decoding loop: draft -> one target forward -> verify -> commit -> roll back.
 
+`_decode` is the algorithm (speculative decoding, arXiv 2211.17192; its sampling rule also arXiv
+2302.01318): prefill the prompt, then per round draft up to gamma tokens, verify them with one forward of
+the target, commit the accepted ones and the target's next token, and deliver them. A request's state is
+one `_Request`; a round's lazy result one `_Round`; its times, counters and the policy's learning sit
+beside the loop in feedback.py, called once per round.
+
 Cache convention (target): between rounds the target's KV cache holds every committed token except the
 last one, the *pending* token, whose KV the next round's forward computes: offset == len(prompt) +
 committed - 1. The same holds when the token generator stops for any reason (exhausted at max_tokens,
@@ -14,13 +20,12 @@ lazy token and launched before the current one is read back, as plain decoding d
 graph then overlaps the previous one's computation. A round launched so drafts nothing, whatever proposal
 the new token brings. A consumer that stops meanwhile gets the launched round trimmed too. Every round's
 forward (plain or verify) replays a compiled graph where one applies (`compiled`, generation/compiled.py):
-a round that waits for the read-back builds its forward on the critical path, and a replay costs about a
-third of what the model's Python does (0.5 against 1.6 ms for the default model on a Zen 5 VM).
+a round that waits for the read-back builds its forward on the critical path, and a replay costs a fraction
+of what the model's Python does.
 """
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,54 +37,11 @@ from ..generation.compiled import CompiledDecode
 from ..generation.decode import decode_stream
 from ..generation.sampling import SamplingParams, build_logits_processors
 from .capture import TargetTaps
-from .drafters.base import Drafter
+from .drafters.base import Draft, Drafter
+from .feedback import RoundClock, RoundReport, SpecStats, learn
 from .schedule import DraftPolicy, FixedGamma
 from .target import output_vocab
 from .verify import probabilities, process_logits, sample_plain, verify_greedy, verify_sampling
-
-
-@dataclass
-class SpecStats:
-    """Counters of one speculative request (mutated by the loop while it runs).
-
-    Attributes:
-        mode: the drafter used ("lookup", "draft", ...).
-        rounds: target forwards (one per round).
-        committed: tokens committed by the rounds and delivered (a round's tokens past the point where the
-            consumer stopped, e.g. after EOS inside an accepted block, are not counted).
-        draft_s: seconds spent proposing (including the draft model's forwards).
-        verify_s: seconds spent in the target forward + accept/reject (including the host sync).
-        proposed: proposed[i] = rounds that proposed a draft token at position i (0-based).
-        accepted: accepted[i] = rounds whose draft token at position i was accepted.
-    """
-
-    mode: str = ""
-    rounds: int = 0
-    committed: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    proposed: List[int] = field(default_factory=list)
-    accepted: List[int] = field(default_factory=list)
-
-    @property
-    def tau(self) -> float:
-        """Committed tokens per target forward."""
-        return self.committed / self.rounds if self.rounds else 0.0
-
-    @property
-    def acceptance(self) -> List[float]:
-        """Per-position acceptance rates: accepted[i] / proposed[i]."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
-
-    def record(self, n_proposed: int, n_accepted: int, n_committed: int) -> None:
-        self.rounds += 1
-        self.committed += n_committed
-        while len(self.proposed) < n_proposed:
-            self.proposed.append(0)
-            self.accepted.append(0)
-        for i in range(n_proposed):
-            self.proposed[i] += 1
-            self.accepted[i] += i < n_accepted
 
 
 def check_rollback(cache: Sequence, needed: int) -> None:
@@ -136,7 +98,8 @@ def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams
             rejected_q: Optional[mx.array] = None):
     """Lazy (accepted count, next token) of one round: logits [g+1, V] of [pending] + tokens (g ints),
     q the draft's [g, V] probabilities or None (deterministic drafter); rejected_q: [V] q row of a next
-    draft token outside the target's vocabulary (verify.verify_sampling)."""
+    draft token outside the target's vocabulary (verify.verify_sampling). Greedy: the longest prefix equal
+    to the target's argmax; sampling: the accept / residual rule of arXiv 2211.17192 / 2302.01318."""
     processed = process_logits(logits, history, tokens, params, processors)  # [g+1, V]
     draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
     if params.greedy:
@@ -146,12 +109,72 @@ def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams
     return verify_sampling(draft_arr, probabilities(processed), q, rejected_q=rejected_q)
 
 
-def _plain_round(model, cache, taps, token: mx.array, params: SamplingParams):
-    """Build (lazily) a plain round on a pending token that is not yet evaluated: [1] uint32 -> (n, next
-    token, taps rows), as the verify of an empty draft (no logits processors: they need the history)."""
-    logits = model(token.astype(mx.uint32).reshape(1, 1), cache=cache)[0].astype(mx.float32)  # [1, V]
-    rows = taps.features() if taps is not None else None
-    return (*_verify(logits, (), [], params, None, None), rows)
+@dataclass
+class _Proposal:
+    """A round's draft as the target verifies it.
+
+    Attributes:
+        tokens: the draft tokens to verify (g ints, all inside the target's vocabulary; [] for a plain round).
+        outside: tokens the drafter proposed after them that lie outside the target's vocabulary (the first
+            is rejected for certain, so the forward stops before it and its q row shapes the residual).
+        draft: the drafter's Draft (its q and key), None when nothing was asked for.
+    """
+
+    tokens: List[int] = field(default_factory=list)
+    outside: int = 0
+    draft: Optional[Draft] = None
+
+
+@dataclass
+class _Round:
+    """One round's target forward, lazy until read back.
+
+    Attributes:
+        proposal: what it verifies.
+        n, nxt: lazy scalars: the accepted draft tokens (n <= g) and the target's next token.
+        rows: the taps of the forward's g+1 positions ([1, g+1, n*H]), None without taps.
+        ahead: launched before the previous round was read back (then it drafts nothing).
+    """
+
+    proposal: _Proposal
+    n: mx.array
+    nxt: mx.array
+    rows: Optional[mx.array] = None
+    ahead: bool = False
+
+
+@dataclass
+class _Request:
+    """One speculative request: what `speculative_tokens` was given (see there) and the state its rounds share.
+
+    Attributes (state, set by `_prefill_prompt` and the rounds):
+        forward: what runs the rounds' forwards: `compiled` where it applies, else the model
+            ([1, g+1] uint32 tokens -> [1, g+1, V] logits).
+        processors: the logits processors of `params` (mlx-lm's; they need the history).
+        vocab: the target's output vocabulary size V.
+        history: prompt + committed tokens; history[-1] is the pending token (not in the cache).
+        produced: tokens delivered to the consumer.
+        ahead: a plain round launched before the previous round was read back, or None.
+    """
+
+    model: nn.Module
+    prompt_ids: List[int]
+    params: SamplingParams
+    max_tokens: int
+    drafter: Drafter
+    policy: DraftPolicy
+    stats: SpecStats
+    cache: Optional[list]
+    start: int
+    progress: Optional[Callable[[int, int], None]]
+    compiled: Optional[CompiledDecode]
+    taps: Optional[TargetTaps]
+    forward: Any = None
+    processors: list = field(default_factory=list)
+    vocab: int = 0
+    history: List[int] = field(default_factory=list)
+    produced: int = 0
+    ahead: Optional[_Round] = None
 
 
 def speculative_tokens(
@@ -202,12 +225,83 @@ def speculative_tokens(
     """
     policy = FixedGamma(max_draft) if isinstance(max_draft, int) else max_draft
     taps = TargetTaps(model, drafter.target_layer_ids) if drafter.wants_hidden else None
-    args = (model, prompt_ids, params, max_tokens, drafter, policy, stats, cache, start, progress, compiled)
+    req = _Request(model, prompt_ids, params, max_tokens, drafter, policy,
+                   stats if stats is not None else SpecStats(), cache, start, progress, compiled, taps)
     with mx.stream(decode_stream()):
         if taps is None:
-            return (yield from _rounds(*args, None))
+            return (yield from _decode(req))
         with taps:
-            return (yield from _rounds(*args, taps))
+            return (yield from _decode(req))
+
+
+def _decode(req: _Request) -> Iterator[int]:
+    """The algorithm: prefill, then rounds of draft -> verify (one target forward) -> commit -> deliver.
+
+    Each round verifies [pending] + g draft tokens in one forward and commits the n accepted ones and the
+    target's own next token (n + 1 >= 1 tokens a round: greedy, the same as plain decoding; sampling, the
+    same distribution, arXiv 2211.17192 / 2302.01318). The clock, the stats and the policy learn from each
+    round beside it (feedback.py); a round after which the next is plain anyway launches that one ahead.
+    """
+    _prefill_prompt(req)
+    clock = RoundClock()
+    while req.produced < req.max_tokens:
+        clock.start()
+        if req.ahead is not None:  # launched during the previous round: it drafts nothing
+            rnd, req.ahead = req.ahead, None
+        else:
+            proposal = _draft(req)
+            clock.drafted()
+            rnd = _verify_round(req, proposal)
+        if _plain_next(req, rnd):
+            req.ahead = _launch_ahead(req, rnd)
+        n, nxt = _read_back(req, rnd)
+        clock.synced()
+        learn(req.stats, req.policy, _report(req, rnd, n), clock)
+        committed = _commit(req, rnd, n, nxt)
+        yield from _deliver(req, committed)
+
+
+def _check_request(req: _Request) -> None:
+    """Make or check the cache before any forward: a fresh cache when none was given, one that can roll back
+    the whole request, and emptied for a drafter that needs the whole prompt's taps.
+
+    Raises:
+        MlxInferError: the cache cannot roll back (check_rollback).
+        ValueError: the cache does not hold exactly prompt_ids[:start], or start is past the prompt's end.
+    """
+    if req.cache is None:
+        req.cache, req.start = make_prompt_cache(req.model), 0
+    check_rollback(req.cache, len(req.prompt_ids) + req.max_tokens + req.policy.limit)
+    if req.taps is not None and req.start:
+        _trim(req.cache, req.start)  # the drafter needs the taps of the whole prompt
+        req.start = 0
+    if not 0 <= req.start < len(req.prompt_ids) or req.cache[0].offset != req.start:
+        raise ValueError(f"the cache holds {req.cache[0].offset} tokens, expected the prompt's first {req.start}")
+
+
+def _prefill_prompt(req: _Request) -> None:
+    """Check the request, then prefill all but the last prompt token (the first pending token), as mlx-lm's
+    generate_step, and start the drafter; progress as plain decoding reports it: (start, total) first, after
+    each chunk, (total, total) with the first token (`_read_back`)."""
+    req.stats.mode = req.drafter.name
+    _check_request(req)
+    if req.params.seed is not None:
+        mx.random.seed(req.params.seed)
+    req.processors = build_logits_processors(req.params)
+    req.vocab = output_vocab(req.model)
+    total = len(req.prompt_ids)
+    if req.progress is not None:
+        req.progress(req.start, total)
+    feats = _prefill(req.model, req.cache, req.prompt_ids[req.start:-1], req.taps, req.start, total, req.progress)
+    # the rounds' forwards: replayed traces where they apply (a tapped layer is seen only by the model's Python)
+    compiled = req.compiled
+    applies = compiled is not None and req.taps is None and CompiledDecode.applies(req.model, req.cache)
+    req.forward = compiled if applies else req.model
+    if req.taps is None:
+        req.drafter.begin(req.prompt_ids, req.params)
+    else:
+        req.drafter.begin(req.prompt_ids, req.params, hidden=mx.concatenate(feats, axis=1) if feats else None)
+    req.history = list(req.prompt_ids)
 
 
 def _prefill(model, cache, tokens: List[int], taps: Optional[TargetTaps], done: int, total: int,
@@ -226,114 +320,110 @@ def _prefill(model, cache, tokens: List[int], taps: Optional[TargetTaps], done: 
     return feats
 
 
-def _rounds(model, prompt_ids, params, max_tokens, drafter: Drafter, policy: DraftPolicy, stats, cache, start,
-            progress, compiled: Optional[CompiledDecode], taps: Optional[TargetTaps]) -> Iterator[int]:
-    """The rounds of `speculative_tokens` (same arguments); taps: installed TargetTaps, or None."""
-    stats = stats if stats is not None else SpecStats()
-    stats.mode = drafter.name
-    if cache is None:
-        cache, start = make_prompt_cache(model), 0
-    check_rollback(cache, len(prompt_ids) + max_tokens + policy.limit)
-    if taps is not None and start:
-        _trim(cache, start)  # the drafter needs the taps of the whole prompt
-        start = 0
-    if not 0 <= start < len(prompt_ids) or cache[0].offset != start:
-        raise ValueError(f"the cache holds {cache[0].offset} tokens, expected the prompt's first {start}")
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    processors = build_logits_processors(params)
-    vocab = output_vocab(model)
+def _draft(req: _Request) -> _Proposal:
+    """Draft: ask the policy for gamma (bounded by the tokens left and MAX_VERIFY_WIDTH) and the drafter for
+    that many tokens after the history; a free drafter proposes the most and the policy keeps what pays. A
+    draft token outside the target's vocabulary ends what is verified (`_Proposal.outside`)."""
+    gamma = max(0, min(int(req.policy.gamma()), req.max_tokens - req.produced - 1, MAX_VERIFY_WIDTH - 1))
+    draft = req.drafter.propose(req.history, gamma, req.policy.worth) if gamma > 0 else None
+    tokens = list(draft.tokens[:gamma]) if draft else []
+    if tokens:
+        tokens = tokens[: req.policy.cut(draft)]
+    inside = _in_vocab(tokens, req.vocab)
+    return _Proposal(tokens[:inside], len(tokens) - inside, draft)
 
-    # Prefill all but the last prompt token (the first pending token), as mlx-lm's generate_step; progress
-    # as plain decoding reports it: (start, total) first, after each chunk, (total, total) with the first token
-    total = len(prompt_ids)
-    if progress is not None:
-        progress(start, total)
-    feats = _prefill(model, cache, prompt_ids[start:-1], taps, start, total, progress)
-    # the rounds' forwards: replayed traces where they apply (a tapped layer is seen only by the model's Python)
-    forward = compiled if compiled is not None and taps is None and CompiledDecode.applies(model, cache) else model
-    if taps is None:
-        drafter.begin(prompt_ids, params)
-    else:
-        drafter.begin(prompt_ids, params, hidden=mx.concatenate(feats, axis=1) if feats else None)
 
-    history = list(prompt_ids)  # prompt + committed; history[-1] is pending (not in the cache)
-    produced = 0
-    ahead = None  # a plain round launched before the previous round was synced: (n, nxt, rows)
-    last_sync = time.perf_counter()  # the previous round's read-back
-    while produced < max_tokens:
-        t0 = time.perf_counter()
-        launched = ahead is not None
-        if launched:
-            draft, tokens, outside = None, [], 0
-            (n_arr, nxt_arr, rows), ahead = ahead, None
-            t1 = t0
-        else:
-            gamma = max(0, min(int(policy.gamma()), max_tokens - produced - 1, MAX_VERIFY_WIDTH - 1))
-            draft = drafter.propose(history, gamma, policy.worth) if gamma > 0 else None
-            tokens = list(draft.tokens[:gamma]) if draft else []
-            if tokens:  # a free drafter proposed the most; keep what pays
-                tokens = tokens[: policy.cut(draft)]
-            # A draft token outside the target's vocabulary has target probability 0: it is rejected for
-            # certain, so the forward stops before it and its q row shapes the residual (verify_sampling).
-            inside = _in_vocab(tokens, vocab)
-            outside, tokens = len(tokens) - inside, tokens[:inside]
-            t1 = time.perf_counter()
+def _verify_round(req: _Request, proposal: _Proposal) -> _Round:
+    """Verify (lazily): one target forward over [pending] + the g draft tokens, appending their g+1 tokens to
+    the cache, and the accept / reject of the drafts against its logits (`_verify`)."""
+    tokens = proposal.tokens
+    block = mx.array([req.history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
+    logits = req.forward(block[None], cache=req.cache)[0].astype(mx.float32)  # [g+1, V]
+    rows = req.taps.features() if req.taps is not None else None  # [1, g+1, n*H]
+    q = rejected_q = None
+    draft = proposal.draft
+    if not req.params.greedy and draft is not None and draft.q is not None:
+        q_all = _fit_vocab(draft.q[: len(tokens) + (proposal.outside > 0)], req.vocab)  # [g (+1), V]
+        q = q_all[: len(tokens)]
+        rejected_q = q_all[len(tokens)] if proposal.outside else None
+    n, nxt = _verify(logits, req.history, tokens, req.params, req.processors, q, rejected_q)
+    return _Round(proposal, n, nxt, rows)
 
-            block = mx.array([history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
-            logits = forward(block[None], cache=cache)[0].astype(mx.float32)  # [g+1, V]
-            rows = taps.features() if taps is not None else None  # [1, g+1, n*H]
-            q = rejected_q = None
-            if not params.greedy and draft is not None and draft.q is not None:
-                q_all = _fit_vocab(draft.q[: len(tokens) + (outside > 0)], vocab)  # [g (+1), V]
-                q = q_all[: len(tokens)]
-                rejected_q = q_all[len(tokens)] if outside else None
-            n_arr, nxt_arr = _verify(logits, history, tokens, params, processors, q, rejected_q)
-        g = len(tokens)
-        if not tokens and not processors and produced + 1 < max_tokens and policy.plain_next(
-                drafter.possible_keys(history) if drafter.free else None):
-            # This round and the next are plain steps: build the next one on this one's lazy token while
-            # this one computes (as mlx-lm's generate_step), so that building the graph costs no time.
-            mx.async_eval(n_arr, nxt_arr)
-            ahead = _plain_round(forward, cache, taps, nxt_arr, params)
-            mx.async_eval(ahead[0], ahead[1])
-        mx.eval(n_arr, nxt_arr)  # the round's one host sync
-        if progress is not None:  # the first round's forward ends the prompt's prefill
-            progress(total, total)
-            progress = None
-        n, nxt = int(n_arr.item()), int(nxt_arr.item())
-        t2 = time.perf_counter()
-        round_s, last_sync = t2 - last_sync, t2
 
-        committed = tokens[:n] + [nxt]
-        # the forward appended g+1 tokens; keep history[-1] + tokens[:n] (nxt becomes pending)
-        _trim(cache, g - n)
-        if drafter.free:  # (launched ahead or not) how often each bucket has a proposal: plain_next weighs it
-            policy.offered(drafter.offer_key(history))
-        history.extend(committed)
-        if taps is None:
-            drafter.update(n, committed)
-        else:  # only committed positions: the old pending token and the accepted drafts
-            drafter.update(n, committed, hidden=rows[:, : n + 1])
-        stats.record(g + (outside > 0), n, len(committed))
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        policy.observe(g, n, t1 - t0, t2 - t1, key=draft.key if draft is not None else None, ahead=launched,
-                       round_s=round_s)
-        if stats.rounds % CLEAR_CACHE_ROUNDS == 0:
-            mx.clear_cache()  # as mlx-lm's generate_step: return freed buffers to the system now and then
+def _plain_next(req: _Request, rnd: _Round) -> bool:
+    """Whether the round after `rnd` is plain whatever token `rnd` commits: `rnd` drafts nothing, no logits
+    processor needs the history, a token is left after it, and the policy says so (DraftPolicy.plain_next)."""
+    if rnd.proposal.tokens or req.processors or req.produced + 1 >= req.max_tokens:
+        return False
+    return req.policy.plain_next(req.drafter.possible_keys(req.history) if req.drafter.free else None)
 
-        for i, tok in enumerate(committed):
-            try:
-                yield tok
-            except GeneratorExit:
-                # consumer stopped: keep only the tokens it received (the last of them stays pending),
-                # dropping the round launched ahead too
-                _trim(cache, len(committed) - (i + 1) + (ahead is not None))
-                stats.committed -= len(committed) - (i + 1)  # tau counts delivered tokens only
-                raise
-            produced += 1
-            if produced >= max_tokens:
-                _trim(cache, len(committed) - (i + 1) + (ahead is not None))
-                stats.committed -= len(committed) - (i + 1)
-                return
+
+def _launch_ahead(req: _Request, rnd: _Round) -> _Round:
+    """Launch the next (plain) round on `rnd`'s lazy token while `rnd` computes (as mlx-lm's generate_step),
+    so that building its graph costs no time; its forward appends one token to the cache."""
+    mx.async_eval(rnd.n, rnd.nxt)
+    token = rnd.nxt.astype(mx.uint32).reshape(1, 1)
+    logits = req.forward(token, cache=req.cache)[0].astype(mx.float32)  # [1, V]
+    rows = req.taps.features() if req.taps is not None else None
+    # the verify of an empty draft (no logits processors: they need the history)
+    n, nxt = _verify(logits, (), [], req.params, None, None)
+    mx.async_eval(n, nxt)
+    return _Round(_Proposal(), n, nxt, rows, ahead=True)
+
+
+def _read_back(req: _Request, rnd: _Round) -> Tuple[int, int]:
+    """The round's one host sync: (accepted count n, next token). The first one ends the prompt's prefill."""
+    mx.eval(rnd.n, rnd.nxt)
+    if req.progress is not None:
+        req.progress(len(req.prompt_ids), len(req.prompt_ids))
+        req.progress = None
+    return int(rnd.n.item()), int(rnd.nxt.item())
+
+
+def _report(req: _Request, rnd: _Round, n: int) -> RoundReport:
+    """What a read-back round did, for feedback.learn (before its commit: a free drafter's offer is that of
+    the context the round drafted after)."""
+    proposal, free = rnd.proposal, req.drafter.free
+    return RoundReport(verified=len(proposal.tokens), accepted=n, outside=proposal.outside > 0,
+                       key=proposal.draft.key if proposal.draft is not None else None, ahead=rnd.ahead,
+                       offered=free, offer_key=req.drafter.offer_key(req.history) if free else None)
+
+
+def _commit(req: _Request, rnd: _Round, n: int, nxt: int) -> List[int]:
+    """Commit: keep [pending] + the n accepted drafts in the cache (the forward appended g+1 tokens: roll back
+    g - n), append them and nxt to the history (nxt becomes pending), tell the drafter. Returns the n + 1
+    committed tokens."""
+    tokens = rnd.proposal.tokens
+    committed = tokens[:n] + [nxt]
+    _trim(req.cache, len(tokens) - n)
+    req.history.extend(committed)
+    if req.taps is None:
+        req.drafter.update(n, committed)
+    else:  # only committed positions: the old pending token and the accepted drafts
+        req.drafter.update(n, committed, hidden=rnd.rows[:, : n + 1])
+    if req.stats.rounds % CLEAR_CACHE_ROUNDS == 0:
+        mx.clear_cache()  # as mlx-lm's generate_step: return freed buffers to the system now and then
+    return committed
+
+
+def _deliver(req: _Request, committed: List[int]) -> Iterator[int]:
+    """Yield a round's committed tokens up to max_tokens. Where the consumer stops (closes the generator) or
+    max_tokens ends the request, roll the cache back to the tokens delivered (`_keep_delivered`)."""
+    for i, tok in enumerate(committed):
+        try:
+            yield tok
+        except GeneratorExit:
+            _keep_delivered(req, len(committed) - (i + 1))
+            raise
+        req.produced += 1
+        if req.produced >= req.max_tokens:
+            _keep_delivered(req, len(committed) - (i + 1))
+            return
+
+
+def _keep_delivered(req: _Request, undelivered: int) -> None:
+    """The request ends with `undelivered` of its last round's tokens not delivered: drop them from the cache
+    (and the round launched ahead, if any) so that it holds the tokens delivered, the last one pending, and
+    from the stats' committed count."""
+    _trim(req.cache, undelivered + (req.ahead is not None))
+    req.stats.undeliver(undelivered)
