@@ -27,6 +27,9 @@ by the default device and what is available.
   layer's product with a residual added in the same operation (`qmm(..., residual=)`).
 - `block`: mlx-lm's llama / qwen2 decoder block with its two residual adds inside o_proj's and down_proj's
   products (`KernelDecoderBlock`, swapped in by `linear.use_kernels`).
+- `selfcheck`: every custom kernel the model would use, run on this device against the pure-mx reference and
+  timed against MLX's own op (`mlx-infer doctor --kernels`), cached; on Metal / CUDA a kernel runs only
+  where it passed and was faster (`switch`: the decisions).
 - `rmm`: RMM's reduced quantized matmul (`rmm.rmm_qmm`: per row, only the kept quantization groups), on the
   CPU kernel, the GPU body of `gpu_rmm` or the pure-mx reference.
 """
