@@ -9,17 +9,19 @@
 import copy
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
 from .backend import backend_name, blas_in_use, return_free_memory
+from .aio import AsyncRunner
 from .batch import BatchRequest, BatchRunner, BatchScheduler
+from .batch.request import Emit
 from .batch.run import check_batchable, run_batch, solo_tokens
 from .defaults import IDLE_RELEASE_S, MAX_BATCH
-from .errors import EngineBusyError, MlxInferError
+from .errors import EngineBusyError, MlxInferError, RequestError
 from .generation.compiled import CompiledSteps
 from .generation.detokenize import make_detokenizer
 from .generation.prompt import Prompt, PromptCodec
@@ -62,9 +64,11 @@ class Engine:
 
     Build it with `mlx_infer.load(...)`. Safe to call from several threads: calls are serialized (a request,
     a stream's whole iteration included, holds the engine until it finishes or the stream is closed or
-    garbage-collected; the others wait); for concurrent decoding use `batch_runner` (whose thread then owns
-    the engine) or `generate_batch`. Starting a second request on a thread whose stream is still open raises
-    EngineBusyError (the two would otherwise wait for each other forever).
+    garbage-collected; the others wait, as they wait for a BatchRunner of the engine while it has requests).
+    For concurrent decoding use the asyncio API (`agenerate`, `astream`: one runner per engine, shared by
+    every coroutine), `batch_runner` (submit from any thread) or `generate_batch`. Starting a second request
+    on a thread whose stream is still open raises EngineBusyError (the two would otherwise wait for each
+    other forever).
 
     The engine keeps the KV of its requests for the next ones: a request whose prompt starts with tokens an
     earlier one held (a chat's next turn: the history, then the new message) prefills only what follows
@@ -122,6 +126,7 @@ class Engine:
         self._compiled: Optional[CompiledSteps] = None  # the model's compiled one-token steps (made on first use)
         self._busy = threading.Lock()  # held by the request running (a stream: until it ends or is closed)
         self._owner: Optional[int] = None  # the thread that holds _busy (threading.get_ident), None when free
+        self._aio = AsyncRunner(self.batch_runner)  # agenerate / astream's runner, started on first use
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
 
@@ -340,20 +345,32 @@ class Engine:
         check_batchable(self.rmm)
         return self._store.batch_kv()
 
-    def _batch_request(self, prompt_ids: List[int], params: SamplingParams, emit, speculative: str = "off",
-                       evict: Optional[str] = None, repack: bool = True) -> BatchRequest:
-        """A validated BatchRequest (any thread: no MLX work but its random key). With evict, speculative
-        must be "off" or "auto" (which then decodes plainly), as stream_steps."""
-        if not isinstance(params, SamplingParams):
-            raise MlxInferError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt_ids, str) or not all(isinstance(t, int) for t in prompt_ids):
-            raise MlxInferError("a batched request takes token ids: pass engine.encode(text_or_messages)")
-        params = params.for_vocab(self.vocab_size)
+    def batch_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
+                      chat_template: bool = True, speculative: str = "off", evict: Optional[str] = None,
+                      repack: bool = True, emit: Optional[Emit] = None, **sampling: Any) -> BatchRequest:
+        """A request for `BatchRunner.submit`, built and checked on the caller's thread (any thread: no MLX
+        work but its random key): the prompt encoded once (as `encode_fitting`), the parameters checked as
+        `stream_steps`'. speculative: a mode used while the request runs alone; evict (with speculative "off"
+        or "auto", which then decodes plainly) and repack as `generate_batch`. emit: where its steps go when
+        a BatchScheduler is driven by hand (a runner points them at the request's handle).
+
+        Raises:
+            RequestError: a bad prompt (param "prompt"; as `encode_fitting`) or sampling parameter (param: the
+                field); MlxInferError: a bad speculative mode or evict.
+        """
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}", "params")
+        params = (params or SamplingParams()).with_(**sampling).for_vocab(self.vocab_size)
         options = self._spec_options(speculative, None, "auto")
         eviction = check_evict(evict, repack, options, self.model)  # on the batch's paged pool, whatever the store
         if eviction is not None:
             options = self._spec_options("off", None, "auto")
-        prompt_ids = self.encode_fitting(list(prompt_ids))
+        try:
+            prompt_ids = self.encode_fitting(prompt, system, chat_template)
+        except RequestError:
+            raise
+        except MlxInferError as e:
+            raise RequestError(str(e), "prompt") from None
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
                             self.tokenizer.eos_token_ids, emit, options, self.source.rmm, eviction, repack)
@@ -371,14 +388,27 @@ class Engine:
 
     def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
                      idle_release_s: Optional[float] = IDLE_RELEASE_S) -> BatchRunner:
-        """A continuous-batching decode loop on its own thread: `submit(prompt_ids, params)` from any thread
-        returns a RequestHandle to stream from or cancel (what the server uses); `submit(...,
-        speculative="auto")` decodes speculatively while the request runs alone; `submit(...,
-        evict="h2o:0.5")` evicts as generate_batch. After idle_release_s seconds without a request (None:
-        never) it gives its KV memory back: the prefix cache is forgotten and the block pool shrinks, so the
-        next request prefills in full. While it runs, use the engine only through it. Close it (or use it as
-        a context manager) when done."""
-        return BatchRunner(self.scheduler(max_batch, prefix_cache), self._batch_request, idle_release_s)
+        """A continuous-batching decode loop on its own thread: `submit(engine.batch_request(prompt, params))`
+        from any thread returns a RequestHandle to stream from or cancel (what the server uses). After
+        idle_release_s seconds without a request (None: never) it gives its KV memory back: the prefix cache
+        is forgotten and the block pool shrinks, so the next request prefills in full. While it has requests
+        its thread holds the engine: the engine's own calls from other threads wait. Close it (or use it as a
+        context manager) when done."""
+        return BatchRunner(self.scheduler(max_batch, prefix_cache), idle_release_s, hold=self._busy)
+
+    async def agenerate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                        **kwargs: Any) -> GenerationResult:
+        """`generate` for asyncio: the request joins the engine's own BatchRunner (started on first use), so
+        that concurrent coroutines decode together; cancelling the task cancels the request (its KV blocks
+        freed at the runner's next step). Arguments as `batch_request`. Raises as `batch_request`, and
+        GenerationError / RunnerClosedError as `RequestHandle.result`."""
+        return await self._aio.generate(self.batch_request(prompt, params, **kwargs))
+
+    def astream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs: Any) -> AsyncIterator[str]:
+        """`stream` for asyncio (`async for chunk in engine.astream(...)`), on the engine's BatchRunner as
+        `agenerate`; leaving the loop (break, aclose, a cancelled task) cancels the request at once. The
+        request is checked now (raises as `batch_request`) and submitted on the first iteration."""
+        return self._aio.stream(self.batch_request(prompt, params, **kwargs))
 
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
@@ -431,7 +461,7 @@ class Engine:
         with self._serialized():
             sched = self.scheduler(max_batch, prefix_cache)
             steps: List[list] = [[] for _ in prompts]
-            requests = [self._batch_request(i, p, s.append, speculative, evict, repack)
+            requests = [self.batch_request(i, p, speculative=speculative, evict=evict, repack=repack, emit=s.append)
                         for i, p, s in zip(ids, params, steps)]
             run_batch(sched, requests)
         return [collect(s) for s in steps]
