@@ -57,12 +57,14 @@ def test_a_bad_value_names_its_field(server):
 
 
 def test_a_served_request_is_encoded_once(server, engine, monkeypatch):
-    """Engine.encode and the tokenizer run once per request: the runner takes the request the server built
-    instead of calling back into the engine to check (and encode) it again."""
+    """The engine's prompt codec (what Engine.encode and encode_fitting run) and the tokenizer run once per
+    request: the runner takes the request the server built instead of calling back into the engine to check
+    (and encode) it again."""
     url, _ = server
     calls = {"engine": 0, "tokenizer": 0}
     hf = engine.tokenizer._tokenizer
-    encode, template, engine_encode = hf.encode, hf.apply_chat_template, engine.encode
+    codec = engine._prompts
+    encode, template, engine_encode = hf.encode, hf.apply_chat_template, codec.encode
 
     def counted(name, f):
         def call(*args, **kwargs):
@@ -72,7 +74,7 @@ def test_a_served_request_is_encoded_once(server, engine, monkeypatch):
 
     monkeypatch.setattr(hf, "encode", counted("tokenizer", encode))
     monkeypatch.setattr(hf, "apply_chat_template", counted("tokenizer", template))
-    monkeypatch.setattr(engine, "encode", counted("engine", engine_encode))
+    monkeypatch.setattr(codec, "encode", counted("engine", engine_encode))
     r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3}, timeout=600)
     assert r.status_code == 200 and calls == {"engine": 1, "tokenizer": 1}
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
