@@ -100,21 +100,12 @@ def machine_line(info: dict) -> str:
 
 
 def time_tokens(tokens: Iterable) -> dict:
-    """Drain a token iterator and time it: TTFT (s), decode tokens/s after the first token, count."""
-    start = time.perf_counter()
-    first = None
-    n = 0
-    for _ in tokens:
-        n += 1
-        if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    first = first or end
-    return {
-        "ttft_s": first - start,
-        "decode_tps": (n - 1) / (end - first) if n > 1 else 0.0,
-        "tokens": n,
-    }
+    """Drain a token iterator and time it: TTFT (s), decode tokens/s after the first token, count (the
+    package's own timing, mlx_infer.benchmark.timing, imported here so that a script sets its environment
+    before mlx_infer loads)."""
+    from mlx_infer.benchmark.timing import time_tokens as timed
+
+    return timed(tokens)
 
 
 def interleaved(runners: Dict[str, Callable[[], dict]], trials: int) -> Dict[str, List[dict]]:
