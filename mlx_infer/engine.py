@@ -7,95 +7,55 @@
 """
 
 import copy
-import threading
-from contextlib import contextmanager
 from typing import Any, AsyncIterator, Callable, Iterator, List, Optional, Sequence, Union
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
-from .backend import backend_name, blas_in_use, return_free_memory
+from .backend import return_free_memory
 from .aio import AsyncRunner
 from .batch import BatchRequest, BatchRunner, BatchScheduler
 from .batch.request import Emit
-from .batch.run import check_batchable, run_batch, solo_tokens
+from .batch.run import batch_inputs, check_batchable, prompt_request, run_collected, solo_tokens
 from .defaults import IDLE_RELEASE_S, MAX_BATCH
-from .errors import EngineBusyError, MlxInferError, RequestError
+from .errors import RequestError
 from .generation.compiled import CompiledSteps
 from .generation.detokenize import make_detokenizer
 from .generation.prompt import Prompt, PromptCodec
 from .generation.request import Decoding, Request, check_evict, run_request, sampling_params
 from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.sampling import SamplingParams
-from .kernels import cpu as cpu_kernels
+from .generation.serial import Serializer
 from .kv.attention_hook import install as install_attention_hook
-from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
-from .kv.options import check_block_size, check_kv_cache, parse_budget
+from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL
 from .kv.pool import BlockPool
-from .kv.quant_options import KVQuant, check_head_dims, check_paged_quant, fit_group_size, kv_quant
-from .kv.session import PagedKV, probe_kv_layout
-from .kv.store import KVStore, make_store
+from .kv.quant_options import KVQuant
+from .kv.session import PagedKV
+from .kv.store import KVStore, configure_store, make_store
 from .loading import ModelSource
-from .paths import model_fingerprint
 from .rmm.options import Retention
 from .speculative import DraftModel, SpecOptions, SpecState, Target
 from .speculative.registry import target_names
-from .speculative.target import output_vocab
+from .speculative.target import measurement_key, output_vocab
 
 #: What `draft_model` takes: a model path or repo id, an Engine, or an mlx-lm model (None: none, or the
 #: registered drafter).
 DraftModelArg = Union[None, str, "Engine", nn.Module]
 
 
-def measurement_key(source: ModelSource) -> str:
-    """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
-    priors): the model's content, not where it lies, its weights mode, the quantized-matmul kernel its layers
-    run on and the build of the CPU kernels (any of which a model's layers may run), the backend, BLAS and
-    MLX version, and the RMM retention of a reduced model."""
-    build = cpu_kernels.build_id() if backend_name() == "cpu" else None
-    key = (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
-           f"{blas_in_use()}|{mx.__version__}|{build}")  # type: ignore[attr-defined]  # not in MLX's stubs
-    return key if source.rmm is None else f"{key}|rmm:{source.rmm}"
-
-
 class Engine:
     """A loaded model, ready to generate.
 
     Build it with `mlx_infer.load(...)`. Safe to call from several threads: calls are serialized (a request,
-    a stream's whole iteration included, holds the engine until it finishes or the stream is closed or
-    garbage-collected; the others wait, as they wait for a BatchRunner of the engine while it has requests).
-    For concurrent decoding use the asyncio API (`agenerate`, `astream`: one runner per engine, shared by
-    every coroutine), `batch_runner` (submit from any thread) or `generate_batch`. Starting a second request
-    on a thread whose stream is still open raises EngineBusyError (the two would otherwise wait for each
-    other forever).
+    a stream's whole iteration included, holds the engine until it ends or the stream is closed or collected;
+    the others wait, also for a BatchRunner of the engine while it has requests); a second request on a thread
+    whose stream is still open raises EngineBusyError. Concurrent decoding: `agenerate` / `astream` (one
+    runner per engine, shared by every coroutine), `batch_runner` (submit from any thread), `generate_batch`.
 
     The engine keeps the KV of its requests for the next ones: a request whose prompt starts with tokens an
-    earlier one held (a chat's next turn: the history, then the new message) prefills only what follows
-    (`GenerationStats.cached_prompt_tokens`). With the paged cache that is the prefix cache batched requests
-    and the server share (kv/prefix.py: full blocks keyed by a hash chain of their tokens, reference-counted,
-    idle ones in an LRU freed when the pool needs room), so any earlier request's prefix serves, in whole
-    blocks; with the dense cache it is the last request's cache, trimmed to the common prefix. `reset()`
-    drops both. A request that evicts tokens shares nothing (its cache stops equalling a prefill of its
-    tokens).
-
-    KV cache (`configure_kv`, or the same keyword arguments of the constructor and `mlx_infer.load`):
-    kv_cache="dense" (default: mlx-lm's own contiguous cache; without eviction the paged one only adds a
-    little per decode step: docs/kv.md#dense-or-paged) or "paged" (a block
-    pool per engine with a token table per request, vToken arXiv 2608.13263: needed for eviction with
-    reclaimed blocks, and the prefix cache); kv_budget (bytes, "512MB" / "2GiB", or a fraction of free memory "0.5"; None: no limit);
-    block_size (tokens per block, 16). Quantized KV (dense cache; paged cache and batched decoding: quantized
-    blocks, affine scheme from the first token only): kv_bits (8, 4 or
-    "k8v4": K and V apart; None: float), kv_scheme ("affine": per token, groups along head_dim; "kivi":
-    keys per channel, values per token, the last tokens in float, arXiv 2402.02750), kv_quant_start (tokens
-    kept in float first), kv_group_size (None: 64, or 32 when 64 does not divide the model's head
-    dims), kv_residual (KIVI's float window, 64), kv_rotate (affine: each group of K/V values
-    Hadamard-rotated before quantizing; None: the 4-bit stores, kv/rotation.py). Attention then reads the
-    packed K/V through the kernel layer's fused quant_attention.
-
-    RMM (`mlx_infer.load(rmm=...)`, arXiv 2608.13426; lossy): the model's linear layers were reduced when it
-    was loaded; the attention products (qk, pv) are reduced inside each single request (batched decoding
-    refuses them).
+    earlier one held (a chat's next turn) prefills only what follows (`GenerationStats.cached_prompt_tokens`).
+    The KV cache (dense or paged, budget, quantized KV: `configure_kv`) and RMM (`mlx_infer.load(rmm=...)`)
+    are described in docs/api.md ("The KV cache"), docs/kv.md, docs/kv_quant.md and docs/rmm.md.
 
     Attributes:
         model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
@@ -124,8 +84,7 @@ class Engine:
         self._quant: Optional[KVQuant] = None
         self._kv_layout: Optional[tuple] = None  # (n_kv, k_dim, v_dim, dtype) of the model's K/V, probed once
         self._compiled: Optional[CompiledSteps] = None  # the model's compiled one-token steps (made on first use)
-        self._busy = threading.Lock()  # held by the request running (a stream: until it ends or is closed)
-        self._owner: Optional[int] = None  # the thread that holds _busy (threading.get_ident), None when free
+        self._serial = Serializer()  # one request at a time (a stream: until it ends or is closed)
         self._aio = AsyncRunner(self.batch_runner)  # agenerate / astream's runner, started on first use
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
@@ -140,32 +99,13 @@ class Engine:
                      block_size: int = BLOCK_SIZE, kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine",
                      kv_quant_start: int = 0, kv_group_size: Optional[int] = None,
                      kv_residual: int = KIVI_RESIDUAL, kv_rotate: Optional[bool] = None) -> None:
-        """Choose the KV cache of the next requests (see the class docstring); drops the kept cache. Every
-        call sets all of these options: one not given goes back to its default (float, dense KV).
-
-        Raises:
-            MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, or a
-                kv_budget / block_size other than the default given with the dense cache; a bad quantized-KV
-                option (see kv.quant_options.kv_quant), or with the paged cache a quantization its blocks
-                cannot hold (kv_scheme='kivi', kv_quant_start > 0: kv.quant_options.check_paged_quant), or head
-                dims that kv_group_size does not divide (None: KV_GROUP_SIZE, or the largest group size that
-                divides them: kv.quant_options.fit_group_size); KVBudgetError: a kv_budget that cannot hold one
-                block. On an error the previous setting stays.
-        """
-        kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
-        quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, KV_GROUP_SIZE if kv_group_size is None else kv_group_size,
-                         kv_residual, kv_rotate)
-        if quant is not None:  # the model's head dims, known now: a group size that fits, or the error here
-            if self._kv_layout is None:
-                self._kv_layout = probe_kv_layout(self.model)
-            dims = self._kv_layout[1:3]
-            quant = fit_group_size(quant, *dims) if kv_group_size is None else quant
-            check_head_dims(quant, *dims)
-        if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
-            raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
-        if kind == "paged" and quant is not None:
-            check_paged_quant(quant)  # KIVI or a float prefix: a one-line error
-        store = make_store(kind, self.model, budget, size, quant, self._kv_layout)  # KVBudgetError: none set
+        """Choose the KV cache of the next requests (the options: docs/api.md, "The KV cache"); drops the kept
+        cache. Every call sets all of these options: one not given goes back to its default (float, dense KV).
+        Raises MlxInferError for a bad option, KVBudgetError for a kv_budget that cannot hold one block
+        (kv.store.configure_store lists the checks); on an error the previous setting stays."""
+        store, quant, self._kv_layout = configure_store(self.model, self._kv_layout, kv_cache, kv_budget, block_size,
+                                                        kv_bits, kv_scheme, kv_quant_start, kv_group_size,
+                                                        kv_residual, kv_rotate)  # KVBudgetError: none set
         self.reset()
         self._store, self._quant = store, quant
 
@@ -197,33 +137,13 @@ class Engine:
         otherwise measure during its first run (SpecState.prepare), so that its TTFT does not include them.
         say: gets a line before each measurement. Raises MlxInferError for bad options, EngineBusyError as
         `stream_steps`."""
-        with self._serialized():
+        with self._serial.held():
             self.spec.prepare(self._spec_options(speculative, draft_model, max_draft), say=say)
-
-    @contextmanager
-    def _serialized(self):
-        """Hold the engine for one request: another thread's request waits until it is released; one on the
-        thread that holds it raises EngineBusyError (a stream of that thread is still open: waiting would
-        never end). Released on exit, also when a stream's generator is closed or garbage-collected (from
-        any thread)."""
-        me = threading.get_ident()
-        if self._owner == me:  # (only this thread sets or clears _owner while it holds _busy)
-            raise EngineBusyError("this thread is still streaming an earlier request of this engine: iterate that "
-                                  "stream to its end or close() it first, or use engine.batch_runner() for "
-                                  "concurrent requests")
-        with self._busy:
-            self._owner = me
-            try:
-                yield
-            finally:
-                self._owner = None
 
     def _spec_options(self, speculative: str, draft_model, max_draft) -> SpecOptions:
         if isinstance(draft_model, Engine):
             draft_model = DraftModel(draft_model.model, draft_model.tokenizer)
         return SpecOptions(speculative, draft_model, max_draft)
-
-
 
     @property
     def context_length(self) -> int:
@@ -255,21 +175,10 @@ class Engine:
         model's vocabulary."""
         return self._prompts.decode(token_ids)
 
-    def stream_steps(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        *,
-        system: Optional[str] = None,
-        chat_template: bool = True,
-        speculative: str = "off",
-        draft_model: DraftModelArg = None,
-        max_draft: Union[str, int] = "auto",
-        progress: Optional[Callable[[int, int], None]] = None,
-        evict: Optional[str] = None,
-        repack: bool = True,
-        **sampling: Any,
-    ) -> Iterator[GenerationStep]:
+    def stream_steps(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
+                     chat_template: bool = True, speculative: str = "off", draft_model: DraftModelArg = None,
+                     max_draft: Union[str, int] = "auto", progress: Optional[Callable[[int, int], None]] = None,
+                     evict: Optional[str] = None, repack: bool = True, **sampling: Any) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
 
         Args:
@@ -304,7 +213,7 @@ class Engine:
                 that cannot fit the KV budget (before prefill); EngineBusyError (an MlxInferError): a stream of
                 this engine started on the same thread is still open.
         """
-        with self._serialized():
+        with self._serial.held():
             params = sampling_params(params, sampling, self.vocab_size)
             options = self._spec_options(speculative, draft_model, max_draft)
             eviction = check_evict(evict, repack, options, self.model, self._store.evicts)
@@ -363,14 +272,8 @@ class Engine:
         params = (params or SamplingParams()).with_(**sampling).for_vocab(self.vocab_size)
         options = self._spec_options(speculative, None, "auto")
         eviction = check_evict(evict, repack, options, self.model)  # on the batch's paged pool, whatever the store
-        if eviction is not None:
-            options = self._spec_options("off", None, "auto")
-        try:
-            prompt_ids = self.encode_fitting(prompt, system, chat_template)
-        except RequestError:
-            raise
-        except MlxInferError as e:
-            raise RequestError(str(e), "prompt") from None
+        options = options if eviction is None else self._spec_options("off", None, "auto")
+        prompt_ids = prompt_request(lambda: self.encode_fitting(prompt, system, chat_template))
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
                             self.tokenizer.eos_token_ids, emit, options, self.source.rmm, eviction, repack)
@@ -394,7 +297,7 @@ class Engine:
         is forgotten and the block pool shrinks, so the next request prefills in full. While it has requests
         its thread holds the engine: the engine's own calls from other threads wait. Close it (or use it as a
         context manager) when done."""
-        return BatchRunner(self.scheduler(max_batch, prefix_cache), idle_release_s, hold=self._busy)
+        return BatchRunner(self.scheduler(max_batch, prefix_cache), idle_release_s, hold=self._serial.lock)
 
     async def agenerate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                         **kwargs: Any) -> GenerationResult:
@@ -443,25 +346,8 @@ class Engine:
                 never fit the KV budget (before anything runs); EngineBusyError: a stream of this engine
                 started on the same thread is still open (other threads' calls wait, as `stream_steps`).
         """
-        if isinstance(prompts, str):
-            raise MlxInferError("generate_batch takes a list of prompts; for one prompt use generate, or pass [prompt]")
-        prompts = list(prompts)
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise MlxInferError(f"{len(prompts)} prompts but {len(params)} params: give one, or one per prompt")
-        params = [p.with_(**sampling) if sampling else p for p in params]
-        ids = []
-        for i, p in enumerate(prompts):
-            try:
-                ids.append(self.encode_fitting(p, system, chat_template))
-            except MlxInferError as e:
-                raise MlxInferError(f"prompt {i}: {e}") from e
-        with self._serialized():
-            sched = self.scheduler(max_batch, prefix_cache)
-            steps: List[list] = [[] for _ in prompts]
-            requests = [self.batch_request(i, p, speculative=speculative, evict=evict, repack=repack, emit=s.append)
-                        for i, p, s in zip(ids, params, steps)]
-            run_batch(sched, requests)
-        return [collect(s) for s in steps]
+        ids, each = batch_inputs(prompts, params, sampling, lambda p: self.encode_fitting(p, system, chat_template))
+        with self._serial.held():
+            return run_collected(self.scheduler(max_batch, prefix_cache),
+                                 lambda i, p, emit: self.batch_request(i, p, speculative=speculative, evict=evict,
+                                                                       repack=repack, emit=emit), ids, each)

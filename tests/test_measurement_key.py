@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from mlx_infer import engine as engine_mod
-from mlx_infer.engine import measurement_key
 from mlx_infer.loading import ModelSource
+from mlx_infer.speculative import target as target_mod
+from mlx_infer.speculative.target import measurement_key
 
 
 def source(tmp_path: Path, **kwargs) -> ModelSource:
@@ -15,13 +15,13 @@ def source(tmp_path: Path, **kwargs) -> ModelSource:
 
 
 def test_the_key_follows_the_kernels_build(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_mod, "backend_name", lambda: "cpu")
-    monkeypatch.setattr(engine_mod.cpu_kernels, "build_id", lambda: "build-a")
+    monkeypatch.setattr(target_mod, "backend_name", lambda: "cpu")
+    monkeypatch.setattr(target_mod.cpu_kernels, "build_id", lambda: "build-a")
     first = measurement_key(source(tmp_path, kernels="cpu-avx2"))
     assert measurement_key(source(tmp_path, kernels="cpu-avx2")) == first
-    monkeypatch.setattr(engine_mod.cpu_kernels, "build_id", lambda: "build-b")  # the kernels' sources changed
+    monkeypatch.setattr(target_mod.cpu_kernels, "build_id", lambda: "build-b")  # the kernels' sources changed
     assert measurement_key(source(tmp_path, kernels="cpu-avx2")) != first
     # the float32 path's layers (RMSNorm, RoPE) run on the kernels too
     float_a = measurement_key(source(tmp_path, weights="float32"))
-    monkeypatch.setattr(engine_mod.cpu_kernels, "build_id", lambda: None)  # kernels off
+    monkeypatch.setattr(target_mod.cpu_kernels, "build_id", lambda: None)  # kernels off
     assert measurement_key(source(tmp_path, weights="float32")) != float_a

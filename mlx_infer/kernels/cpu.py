@@ -442,7 +442,7 @@ def int8_activations() -> bool:
 def build_id() -> Optional[str]:
     """The fingerprint of the kernels in use (their sources, MLX, Python and nanobind: what a rebuild
     follows), None when they are not available. A timing measured on one build does not hold for another
-    (engine.measurement_key)."""
+    (speculative.target.measurement_key)."""
     return _fingerprint() if available() else None
 
 

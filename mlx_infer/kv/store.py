@@ -18,18 +18,18 @@ eviction).
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple, Union
 
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import MlxInferError
-from .defaults import BLOCK_SIZE
-from .options import EvictSpec
+from .defaults import BLOCK_SIZE, KIVI_RESIDUAL, KV_GROUP_SIZE
+from .options import EvictSpec, check_block_size, check_kv_cache, parse_budget
 from .pool import BlockPool
 from .quant_cache import exact_prefix, make_quant_cache
-from .quant_options import KVQuant, check_paged_quant
-from .session import PagedKV, release
+from .quant_options import KVQuant, check_head_dims, check_paged_quant, fit_group_size, kv_quant
+from .session import PagedKV, probe_kv_layout, release
 
 
 class Tracked(Protocol):
@@ -215,3 +215,43 @@ def make_store(kind: str, model: nn.Module, budget_bytes: Optional[int], block_s
     if budget_bytes is not None:
         kv.check_budget()  # a budget under one block fails where it is given
     return kv
+
+
+def configure_store(model: nn.Module, layout: Optional[tuple], kv_cache: str = "dense",
+                    kv_budget: Union[None, int, float, str] = None, block_size: int = BLOCK_SIZE,
+                    kv_bits: Union[None, int, str] = None, kv_scheme: str = "affine", kv_quant_start: int = 0,
+                    kv_group_size: Optional[int] = None, kv_residual: int = KIVI_RESIDUAL,
+                    kv_rotate: Optional[bool] = None) -> Tuple[KVStore, Optional[KVQuant], Optional[tuple]]:
+    """The KV store of the user's options (Engine.configure_kv's, which documents them), checked.
+
+    Args:
+        model: the engine's mlx-lm model.
+        layout: the model's (n_kv_heads, k_dim, v_dim, dtype) when probed already, else None (probed here when
+            a quantization needs the head dims).
+
+    Returns:
+        (store, quant, layout): the store, its quantized-KV setting (None: float), and the layout (probed or
+        as given).
+
+    Raises:
+        MlxInferError: an unknown kv_cache, a kv_budget that does not parse, a block_size < 1, a kv_budget /
+            block_size other than the default with the dense cache, a bad quantized-KV option
+            (quant_options.kv_quant), with the paged cache a quantization its blocks cannot hold
+            (quant_options.check_paged_quant), head dims that kv_group_size does not divide
+            (quant_options.check_head_dims; None: KV_GROUP_SIZE, or the largest group size that divides them,
+            quant_options.fit_group_size); KVBudgetError: a kv_budget that cannot hold one block.
+    """
+    kind, budget, size = check_kv_cache(kv_cache), parse_budget(kv_budget), check_block_size(block_size)
+    quant = kv_quant(kv_bits, kv_scheme, kv_quant_start, KV_GROUP_SIZE if kv_group_size is None else kv_group_size,
+                     kv_residual, kv_rotate)
+    if quant is not None:  # the model's head dims, known now: a group size that fits, or the error here
+        if layout is None:
+            layout = probe_kv_layout(model)
+        dims = layout[1:3]
+        quant = fit_group_size(quant, *dims) if kv_group_size is None else quant
+        check_head_dims(quant, *dims)
+    if kind == "dense" and (budget is not None or size != BLOCK_SIZE):
+        raise MlxInferError("kv_budget and block_size apply to the paged KV cache: add kv_cache='paged'")
+    if kind == "paged" and quant is not None:
+        check_paged_quant(quant)  # KIVI or a float prefix: a one-line error
+    return make_store(kind, model, budget, size, quant, layout), quant, layout

@@ -1,5 +1,5 @@
 """The target of speculative decoding: `Target` (the model, its tokenizer and what measurements of it are
-keyed by), and the parts of an mlx-lm model that block drafters borrow: its decoder-layer list, token
+keyed by: `measurement_key`), and the parts of an mlx-lm model that block drafters borrow: its decoder-layer list, token
 embedding and output head, and its sizes. Works for every mlx-lm model whose decoder layers are a
 `.layers` list (GGUF files are converted to mlx-lm models, so those too)."""
 
@@ -9,7 +9,11 @@ from typing import Callable, List, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..backend import backend_name, blas_in_use
 from ..errors import UnsupportedModelError
+from ..kernels import cpu as cpu_kernels
+from ..loading import ModelSource
+from ..paths import model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,17 @@ class Target:
     key: str
     names: Tuple[str, ...] = ()
     weights: str = "auto"
+
+
+def measurement_key(source: ModelSource) -> str:
+    """What a timing of this model on this machine depends on (the disk-cache key of cost curves and
+    priors): the model's content, not where it lies, its weights mode, the quantized-matmul kernel its layers
+    run on and the build of the CPU kernels (any of which a model's layers may run), the backend, BLAS and
+    MLX version, and the RMM retention of a reduced model."""
+    build = cpu_kernels.build_id() if backend_name() == "cpu" else None
+    key = (f"{model_fingerprint(source.mlx_dir)}|{source.weights}|{source.kernels}|{backend_name()}|"
+           f"{blas_in_use()}|{mx.__version__}|{build}")  # type: ignore[attr-defined]  # not in MLX's stubs
+    return key if source.rmm is None else f"{key}|rmm:{source.rmm}"
 
 
 def _inner(model: nn.Module) -> nn.Module:
