@@ -55,7 +55,7 @@ def bench(
              "on the same weights (and llama.cpp when found), interleaved; PROMPT is not used.")] = None,
     report: Annotated[Optional[Path], typer.Option(
         "--report", metavar="DIR", help="With --suite: write report.md, results.json, machine.json and plots "
-                                        "(matplotlib: pip install 'mlx-infer[bench]') into DIR.")] = None,
+                                        "(matplotlib: pip install 'mlx-infer\\[bench]') into DIR.")] = None,
     lengths: Annotated[str, typer.Option(
         "--lengths", metavar="N,N", help="Prompt lengths (tokens) of the prefill suite.")] = ",".join(map(str, PREFILL_LENGTHS)),
     contexts: Annotated[str, typer.Option(
@@ -261,7 +261,7 @@ def write_report(folder: Path, results: dict, engine) -> None:
         plotter, note = None, f"matplotlib is not installed ({e}): pip install 'mlx-infer[bench]'"
     command = "mlx-infer " + " ".join(sys.argv[1:])
     files = write(folder, results, machine, command, plotter, note)
-    stderr_console.print(f"wrote {', '.join(str(f) for f in files)}" + (f"\n{note}" if note else ""))
+    stderr_console.print(f"wrote {', '.join(str(f) for f in files)}" + (f"\n{note}" if note else ""), markup=False)
 
 
 def kernels_line(info: dict) -> str:

@@ -279,12 +279,12 @@ def convert_gguf(path: Path, out_dir: Path, progress: Optional[ProgressFn] = Non
         DiskWriteError: the disk filled up while writing (nothing is left of the conversion).
     """
     path, out_dir = Path(path), Path(out_dir)
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
     if out_dir.exists() and not out_dir.is_dir():
         raise MlxInferError(f"{out_dir} exists and is not a directory; choose a new output directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise MlxInferError(f"{out_dir} exists and is not empty; choose a new output directory")
-    if not path.is_file():
-        raise ModelNotFoundError(f"no GGUF file at {path}; check the path")
     try:
         staging = staging_dir(out_dir)
     except OSError as e:

@@ -4,7 +4,7 @@ test_cli_rmm.py, test_cli_help.py.)"""
 
 import json
 
-from cli_helpers import assert_user_error
+from cli_helpers import assert_user_error, cli_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -36,3 +36,10 @@ def test_suite_errors(run_cli):
     assert_user_error(run_cli("bench", "--report", "/tmp/x"), "--report writes the results of --suite")
     assert_user_error(run_cli("bench", "--suite", "prefill", "--lengths", "128,abc"), "--lengths takes comma-separated")
     assert_user_error(run_cli("bench", "--suite", "spec", "-c", "2"), "drop --concurrency")
+
+
+def test_help_names_the_bench_extra_whole(run_cli):
+    # rich reads "[bench]" as markup unless escaped: the hint must say what to install
+    env = {**cli_env(), "COLUMNS": "300"}
+    out = run_cli("bench", "--help", env=env).stdout
+    assert "pip install 'mlx-infer[bench]'" in " ".join(out.split())

@@ -3,7 +3,7 @@
 import json
 
 import mlx_infer  # noqa: F401  (first: the optimized BLAS is picked before mlx.core loads)
-from cli_helpers import cli_env
+from cli_helpers import assert_user_error, cli_env
 
 
 def test_convert_default_model_round_trips_through_mlx_lm(run_cli, default_gguf, tmp_path):
@@ -63,3 +63,10 @@ def test_convert_into_a_named_directory_does_not_say_cached(run_cli, default_ggu
     proc = run_cli("convert", default_gguf, out)
     assert proc.returncode == 0, proc.stderr
     assert "converting: 272 tensors\n" in proc.stderr and "cached" not in proc.stderr
+
+
+def test_convert_names_a_missing_input_before_a_used_output(run_cli, tmp_path):
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "file").write_text("x")
+    assert_user_error(run_cli("convert", tmp_path / "nope.gguf", out), "no GGUF file at")
