@@ -96,7 +96,7 @@ ChatKVCacheOpt = Annotated[Optional[str], typer.Option(
     help="paged (default where the model's layers are KV caches and the KV quantization fits blocks: not "
          "with --kv-scheme kivi or --kv-quant-start): each turn starts from the earlier turns' full KV blocks "
          "in the prefix cache, as `mlx-infer serve`; dense: mlx-lm's contiguous cache, the last turn's kept "
-         "(decoding 1-5% faster, docs/kv.md).")]
+         "(decoding slightly faster, docs/kv.md).")]
 KVBudgetOpt = Annotated[Optional[str], typer.Option(
     "--kv-budget", metavar="BYTES|FRACTION", rich_help_panel=KV,
     help="Most KV memory of the paged cache: 512MB, 2GiB, ... (a bare integer is bytes) or a fraction of free "

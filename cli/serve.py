@@ -134,7 +134,7 @@ def serve(
     Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory: a
     request waits while the budget is full, and one that could never fit gets a 400). Batched decoding runs
     on the paged KV blocks, quantized with --kv-bits (8, 4, kXvY: the affine scheme; the KV budget then holds
-    ~1.9x / ~3.6x the tokens of float16), and reduces only linear layers (--rmm without qk / pv). With
+    about two / four times the tokens of float16), and reduces only linear layers (--rmm without qk / pv). With
     --evict every request evicts as it decodes; with repacking on (vToken) it reserves only the KV blocks
     of the tokens it keeps, so more requests fit the budget. Binds
     127.0.0.1 unless told otherwise; logs one line per request (--no-access-log: none). Ctrl-C stops it, cutting

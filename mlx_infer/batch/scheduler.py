@@ -227,8 +227,8 @@ class BatchScheduler:
         token in batched forwards of at most PREFILL_STEP_SIZE tokens in all (each request a left-padded row;
         their logits are never evaluated, so MLX never computes the output head for them), then one forward
         of every newcomer's last prompt token (L = 1) whose logits [B, 1, V] give the first tokens, as a lone
-        request's generate_step does. Computing the head only there saves its share of the prefill (on the
-        default model 21% of a forward's multiply-adds, on Gemma-3-270M 62%) for one forward of B rows."""
+        request's generate_step does. Computing the head only there saves its share of the prefill (large on
+        models with a big vocabulary against their width) for one forward of B rows."""
         now = time.perf_counter()
         todo = {}
         for r in reqs:
@@ -258,9 +258,7 @@ class BatchScheduler:
         (chunks then give only the lengths). A lone
         request runs on its own paged cache (PagedKVCache: its tokens in consecutive slots attend on the
         kernel through a dense buffer's operands and are written with one slice update; no per-step row
-        index is built): 0.94x the time of a one-row BatchStep on the kernel at 100 tokens of context, 0.97x
-        at 1500 (`bench/kv_core.py --batched --contexts 100,1500 --batches 1`, commit 55348e8; through
-        generate_batch 93.4 against 85.4 decode tok/s)."""
+        index is built), which is cheaper than a one-row BatchStep (docs/benchmarks.md, batched decoding)."""
         if not tapped:
             return self._run(reqs, chunks, inputs, compiled=True), {}
         if self._tap is None:

@@ -12,9 +12,9 @@ the block pool.
 On MLX's CPU backend every operation of a step is built by Python (the model's modules, a few microseconds
 each), and `mx.async_eval` returns only once all but about ten of a graph's operations have run, so the
 next step's graph is built while the machine has next to nothing left to run: building is on the critical
-path (the default model: ~1.5 ms of a ~6 ms step for one request, ~2.8 ms of ~14 ms for 8 batched ones,
-Zen 5 VM). `mx.compile` traces the forward once and then replays its recorded graph from C++: the same
-operations on the same inputs (bit-identical logits) without the Python (~0.5 ms to replay one request's).
+path (a sizeable share of a step on a small model). `mx.compile` traces the forward once and then replays
+its recorded graph from C++: the same operations on the same inputs (bit-identical logits) without the
+Python (timings: docs/benchmarks.md).
 
 A traced graph cannot depend on Python values that change every step, so positions come as arrays
 (kv/step_cache.StepCache): RoPE rotates at an int32 `offset`, the new K/V rows go in at array positions
@@ -22,14 +22,13 @@ A traced graph cannot depend on Python values that change every step, so positio
 `write_rows`; the old storage is donated, so the rows are written in place), and attention reads the
 storage through the paged-attention kernel, which stops at each request's length (and, for a verify
 forward of L tokens, each query at its own position). A verify forward not launched ahead of the previous
-read-back has its building on the critical path whatever the machine has left to run: replayed, a forward
-of 1 / 2 / 4 / 9 tokens took 5.3 / 6.1 / 7.7 / 12.0 ms against 6.7 / 7.4 / 8.4 / 13.1 ms built by Python
-(the default model over a 64-token cache, Zen 5 VM, medians of 30), with bit-identical logits and K/V.
+read-back has its building on the critical path whatever the machine has left to run, so replaying it
+shortens every such round, with bit-identical logits and K/V (tests/generation/test_compiled_decode.py).
 Shapes then stay the same
 until a KVCache buffer grows (every 256 tokens, its `step`), or a batch's number of requests, its longest
 request's length rounded up to BATCH_KEYS_BUCKET tokens, or the pool's size changes: mx.compile then
-traces again (and keeps each trace for its shapes). A trace costs about what building 3-4 steps' graphs in
-Python does (6-8 ms for one request's step), so a batched shape is traced only once COMPILE_AFTER_STEPS steps
+traces again (and keeps each trace for its shapes). A trace costs about what building a few steps' graphs
+in Python does, so a batched shape is traced only once COMPILE_AFTER_STEPS steps
 have asked for it (requests that come and go may hold a batch's size for one step), and the traces live as
 long as the model's modules stay the same (CompiledSteps, kept by the Engine).
 

@@ -652,8 +652,8 @@ def cpu_rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 def cpu_swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up (SwiGLU's gate, arXiv 2002.05202) as one operation on the CPU kernel, where mlx-lm's
-    compiled `swiglu` runs through MLX's generated CPU kernel with a scalar exp (10-37x slower on 1-64 tokens
-    of the default model, docs/kernels.md).
+    compiled `swiglu` runs through MLX's generated CPU kernel with a scalar exp, much slower (measured in
+    docs/kernels.md).
 
     Args:
         gate, up: float32, one shape, any strides.
