@@ -47,23 +47,15 @@ class Engine:
     """A loaded model, ready to generate.
 
     Build it with `mlx_infer.load(...)`. Safe to call from several threads: calls are serialized (a request,
-    a stream's whole iteration included, holds the engine until it ends or the stream is closed or collected;
-    the others wait, also for a BatchRunner of the engine while it has requests); a second request on a thread
-    whose stream is still open raises EngineBusyError. Concurrent decoding: `agenerate` / `astream` (one
-    runner per engine, shared by every coroutine), `batch_runner` (submit from any thread), `generate_batch`.
-
-    The engine keeps the KV of its requests for the next ones: a request whose prompt starts with tokens an
-    earlier one held (a chat's next turn) prefills only what follows (`GenerationStats.cached_prompt_tokens`).
-    The KV cache (dense or paged, budget, quantized KV: `configure_kv`) and RMM (`mlx_infer.load(rmm=...)`)
-    are described in docs/api.md ("The KV cache"), docs/kv.md, docs/kv_quant.md and docs/rmm.md.
+    a stream's whole iteration included, holds the engine); a second request on a thread whose stream is
+    still open raises EngineBusyError. Concurrent decoding: `agenerate` / `astream`, `batch_runner`,
+    `generate_batch`. It keeps the KV of its requests for the next ones (a chat's next turn prefills only
+    what follows). Details: docs/api.md#engine.
 
     Attributes:
-        model, tokenizer, config, source: the loaded model (mlx-lm classes), its tokenizer, config.json
-            and where it came from.
-        rmm: the model's RMM Retention, None when exact.
-        vocab_size: the model's output vocabulary (rows of its logits, padding included).
-        spec: SpecState, what speculative decoding keeps for this model (loaded drafters, schedulers,
-            measured costs).
+        model, tokenizer, config, source: the loaded model, its tokenizer, config.json and its origin.
+        rmm: the model's RMM Retention, None when exact. vocab_size: rows of the logits, padding included.
+        spec: SpecState, what speculative decoding keeps for this model.
     """
 
     def __init__(self, model: nn.Module, tokenizer, config: dict, source: ModelSource, *, kv_cache: str = "dense",
@@ -125,9 +117,8 @@ class Engine:
         return self._store.pool
 
     def reset(self) -> None:
-        """Forget the kept KV cache and the prefix cache (their blocks go back to the pool, and a pool no
-        request holds shrinks to its initial size, PagedKV.release_idle, its memory returned to the system,
-        backend.return_free_memory): the next request prefills its whole prompt."""
+        """Forget the kept KV cache and the prefix cache (an idle pool shrinks, its memory returned to the
+        system): the next request prefills its whole prompt."""
         if self._store.reset():
             return_free_memory()
 
@@ -180,38 +171,22 @@ class Engine:
                      max_draft: Union[str, int] = "auto", progress: Optional[Callable[[int, int], None]] = None,
                      evict: Optional[str] = None, repack: bool = True, **sampling: Any) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
+        Details: docs/api.md#generating.
 
         Args:
-            prompt: see `encode`.
-            params: SamplingParams; keyword arguments (temperature=..., max_tokens=...) override fields.
-            speculative: "off" (plain decoding), "lookup" (prompt lookup, arXiv 2311.03511), "draft" (a draft
-                model), "layerskip" (the target minus some layers, arXiv 2309.08168), "rmm" (the target with
-                its linear layers reduced, arXiv 2608.13426), "dflash" (arXiv
-                2602.06036) / "dspark" (block drafters fed the target's hidden states), or "auto" (a draft
-                model when given; else lookup, backed by the target's registered block drafter where its
-                calibration says it pays on this machine; plain decoding where speculation cannot pay).
-                Lossless: greedy output is identical to plain decoding, sampled output has the same
-                distribution.
-            draft_model: for "draft" / "auto": a model path / repo id, an Engine, or an mlx-lm model with the
-                same tokenizer. For "dflash" / "dspark": a drafter directory or repo id in the published
-                format (None: the one registered for this model).
-            max_draft: draft tokens per round, an int >= 0 or "auto" (chosen each round from measured costs).
-            progress: callable(done, total) during prefill, prompt tokens (a kept prefix counts as done).
-            evict: "POLICY:RATIO" (paged cache only): evict that fraction of the tokens with the policy (h2o,
-                scissorhands, streaming, snapkv, random); None: no eviction. Not with speculative decoding yet:
-                speculative="auto" then decodes plainly.
-            repack: with evict, repack live tokens into fewer blocks (vToken); False: the Naive-Evict baseline
-                (the same eviction decisions, blocks freed only when empty).
+            prompt: see `encode`. params: SamplingParams; keyword arguments (temperature=...) override fields.
+            speculative: "off", "lookup", "draft", "layerskip", "rmm", "dflash", "dspark" or "auto" (lossless).
+            draft_model: for "draft" / "auto" a model, Engine or path; for "dflash" / "dspark" a drafter.
+            max_draft: draft tokens per round, an int >= 0 or "auto".
+            progress: callable(done, total) during prefill, prompt tokens.
+            evict: "POLICY:RATIO" (paged cache only); repack: vToken (True) or Naive-Evict (False).
 
-        Calls from several threads are serialized: the request waits (from its first step) until the engine
-        is free, and holds it until its last step was taken or the iterator is closed (see the class docstring).
+        Calls from several threads are serialized (the request holds the engine until its last step).
 
         Raises:
-            MlxInferError: bad parameters, empty prompt, a prompt that fills the context window, a draft_model
-                given to a mode that uses none ("off", "lookup", "layerskip", "rmm"), a bad evict, evict with the dense
-                cache or with a speculative mode other than "auto"; KVBudgetError (an MlxInferError): a request
-                that cannot fit the KV budget (before prefill); EngineBusyError (an MlxInferError): a stream of
-                this engine started on the same thread is still open.
+            MlxInferError: bad parameters or prompt, a prompt that fills the context window, a draft_model
+                for a mode that uses none, a bad evict; KVBudgetError: the request cannot fit the KV budget;
+                EngineBusyError: a stream of this engine started on the same thread is still open.
         """
         with self._serial.held():
             params = sampling_params(params, sampling, self.vocab_size)
@@ -257,15 +232,13 @@ class Engine:
     def batch_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                       chat_template: bool = True, speculative: str = "off", evict: Optional[str] = None,
                       repack: bool = True, emit: Optional[Emit] = None, **sampling: Any) -> BatchRequest:
-        """A request for `BatchRunner.submit`, built and checked on the caller's thread (any thread: no MLX
-        work but its random key): the prompt encoded once (as `encode_fitting`), the parameters checked as
-        `stream_steps`'. speculative: a mode used while the request runs alone; evict (with speculative "off"
-        or "auto", which then decodes plainly) and repack as `generate_batch`. emit: where its steps go when
-        a BatchScheduler is driven by hand (a runner points them at the request's handle).
+        """A request for `BatchRunner.submit`, built and checked on the caller's thread (any thread): the
+        prompt encoded once, the parameters checked as `stream_steps`'. Details:
+        docs/api.md#preparing-and-lower-level-pieces.
 
         Raises:
-            RequestError: a bad prompt (param "prompt"; as `encode_fitting`) or sampling parameter (param: the
-                field); MlxInferError: a bad speculative mode or evict.
+            RequestError: a bad prompt (param "prompt") or sampling parameter (param: the field);
+                MlxInferError: a bad speculative mode or evict.
         """
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}", "params")
@@ -279,9 +252,8 @@ class Engine:
                             self.tokenizer.eos_token_ids, emit, options, self.source.rmm, eviction, repack)
 
     def scheduler(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchScheduler:
-        """A BatchScheduler over this engine's block pool (drops the kept KV cache, whose blocks it may need).
-        prefix_cache: requests start from the cached full blocks of earlier ones that share their prompt's
-        beginning (GenerationStats.cached_prompt_tokens); `reset()` empties it.
+        """A BatchScheduler over this engine's block pool (drops the kept KV cache).
+        Details: docs/api.md#preparing-and-lower-level-pieces.
 
         Raises:
             MlxInferError: max_batch < 1; UnsupportedModelError: a model whose layers are not all KV caches.
@@ -291,12 +263,10 @@ class Engine:
 
     def batch_runner(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True,
                      idle_release_s: Optional[float] = IDLE_RELEASE_S) -> BatchRunner:
-        """A continuous-batching decode loop on its own thread: `submit(engine.batch_request(prompt, params))`
-        from any thread returns a RequestHandle to stream from or cancel (what the server uses). After
-        idle_release_s seconds without a request (None: never) it gives its KV memory back: the prefix cache
-        is forgotten and the block pool shrinks, so the next request prefills in full. While it has requests
-        its thread holds the engine: the engine's own calls from other threads wait. Close it (or use it as a
-        context manager) when done."""
+        """A continuous-batching decode loop on its own thread: `submit(engine.batch_request(...))` from any
+        thread returns a RequestHandle. After idle_release_s seconds idle (None: never) it gives its KV memory
+        back. Close it (or use it as a context manager) when done. Details:
+        docs/api.md#preparing-and-lower-level-pieces."""
         return BatchRunner(self.scheduler(max_batch, prefix_cache), idle_release_s, hold=self._serial.lock)
 
     async def agenerate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -317,34 +287,22 @@ class Engine:
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
                        prefix_cache: bool = True, speculative: str = "off", evict: Optional[str] = None,
                        repack: bool = True, **sampling: Any) -> List[GenerationResult]:
-        """Generate answers to several prompts decoding together (continuous batching: at most max_batch at
-        once, newcomers admitted as others finish or as the KV budget allows). Batched rows decode plainly,
-        evicting tokens when asked; greedy answers equal `generate`'s up to float rounding of the
-        batched matmul, seeded ones draw from their own random key (as `generate` with that seed; with
-        speculative decoding off: a speculating request draws differently, from the same distribution).
+        """Generate answers to several prompts decoding together (continuous batching).
+        Details: docs/api.md#generating.
 
         Args:
-            prompts: each as `encode` takes it.
-            params: one SamplingParams for all, one per prompt, or None; keyword arguments override fields of each.
-            max_batch: most requests decoding at once.
-            prefix_cache: reuse the full KV blocks of earlier batched requests with the same beginning (see
-                `scheduler`).
-            speculative: a mode of `stream_steps` ("off", "lookup", "auto", ...), used by a request while it
-                runs alone (the last one of a batch, a lone prompt); batched requests decode plainly.
-            evict: "POLICY:RATIO" for every request, as `stream_steps` (its tokens equal the same request's
-                alone, up to float rounding; stats.kv per request); with repack (vToken) a request reserves
-                only the KV blocks of the tokens it keeps, so more requests fit one budget. Not with a
-                speculative mode but "off" / "auto". No prefix cache for evicting requests.
-            repack: with evict: vToken repacking (True) or Naive-Evict (False, which reserves every token).
+            prompts: each as `encode` takes it. params: one SamplingParams, one per prompt, or None.
+            max_batch: most requests decoding at once. prefix_cache: reuse earlier requests' full KV blocks.
+            speculative: a mode of `stream_steps`, used by a request while it runs alone.
+            evict, repack: as `stream_steps`, for every request.
 
         Returns:
-            one GenerationResult per prompt, in order (stats.ttft_s counts from the call); no prompts, [].
+            one GenerationResult per prompt, in order; no prompts, [].
 
         Raises:
-            MlxInferError: a bad prompt (its message starts with "prompt i: ") or parameter (evict as
-                `stream_steps`), params of another length than prompts; KVBudgetError: a request that can
-                never fit the KV budget (before anything runs); EngineBusyError: a stream of this engine
-                started on the same thread is still open (other threads' calls wait, as `stream_steps`).
+            MlxInferError: a bad prompt ("prompt i: ...") or parameter, params of another length than
+                prompts; KVBudgetError: a request that can never fit the KV budget; EngineBusyError: as
+                `stream_steps`.
         """
         ids, each = batch_inputs(prompts, params, sampling, lambda p: self.encode_fitting(p, system, chat_template))
         with self._serial.held():
