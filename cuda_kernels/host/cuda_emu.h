@@ -40,6 +40,7 @@ struct uint3 {
 };
 inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { return {x, y, z}; }
 
+#include "../../metal_kernels/host/bf16_bits.h"
 #include "../../metal_kernels/host/emu_core.h"
 
 #define __global__
@@ -82,21 +83,8 @@ struct __half {
 struct __nv_bfloat16 {
   uint16_t bits_;
   __nv_bfloat16() = default;
-  __nv_bfloat16(float f) {  // NOLINT: implicit, as CUDA's
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) {
-      bits_ = uint16_t((u >> 16) | 0x40u);  // quiet NaN
-    } else {
-      bits_ = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-  }
-  operator float() const {
-    const uint32_t u = uint32_t(bits_) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
+  __nv_bfloat16(float f) : bits_(bf16_bits_from_float(f)) {}  // NOLINT: implicit, as CUDA's
+  operator float() const { return bf16_bits_to_float(bits_); }
 };
 
 namespace emu {

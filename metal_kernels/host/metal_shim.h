@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_bits.h"
+
 #define device
 #define constant
 #define threadgroup static thread_local
@@ -39,22 +41,9 @@ typedef _Float16 half;
 struct bfloat {
   uint16_t bits_;
   bfloat() = default;
-  bfloat(float f) {  // NOLINT: implicit, as Metal's
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) {
-      bits_ = uint16_t((u >> 16) | 0x40u);  // quiet NaN
-    } else {
-      bits_ = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-  }
+  bfloat(float f) : bits_(bf16_bits_from_float(f)) {}  // NOLINT: implicit, as Metal's
   bfloat(half h) : bfloat(float(h)) {}
-  operator float() const {
-    const uint32_t u = uint32_t(bits_) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
+  operator float() const { return bf16_bits_to_float(bits_); }
 };
 
 // The scalar typedefs MLX's Metal preamble (kernels/utils.h, bf16.h) gives every custom kernel.
