@@ -266,8 +266,13 @@ class Engine:
         """A continuous-batching decode loop on its own thread: `submit(engine.batch_request(...))` from any
         thread returns a RequestHandle. After idle_release_s seconds idle (None: never) it gives its KV memory
         back. Close it (or use it as a context manager) when done. Details:
-        docs/api.md#preparing-and-lower-level-pieces."""
-        return BatchRunner(self.scheduler(max_batch, prefix_cache), idle_release_s, hold=self._serial.lock)
+        docs/api.md#preparing-and-lower-level-pieces.
+
+        Raises:
+            EngineBusyError: this thread's stream of the engine is still open (it waits for other threads')."""
+        with self._serial.held():  # the scheduler takes the engine's pool: not while another request uses it
+            scheduler = self.scheduler(max_batch, prefix_cache)
+        return BatchRunner(scheduler, idle_release_s, hold=self._serial.lock)
 
     async def agenerate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                         **kwargs: Any) -> GenerationResult:

@@ -174,6 +174,9 @@ class BatchRunner:
             self.scheduler.add(req)
         except MlxInferError as e:
             req.fail(e)
+        except Exception as e:  # a bug: the request is told, and the runner stops (_loop)
+            req.fail(GenerationError(f"the request could not start: {e}"))
+            raise
 
     def _release_when_idle(self, idle_since: Optional[float]) -> Optional[float]:
         """Give the KV memory back once the runner has been idle idle_release_s seconds; returns the idle
@@ -192,6 +195,22 @@ class BatchRunner:
         return None
 
     def _loop(self) -> None:
+        """The thread: serve until closed. However it ends (an error outside a forward included), the runner
+        is closed, lets the engine go and fails the requests still queued, so no caller waits forever."""
+        try:
+            self._serve()
+        finally:
+            self._closed.set()
+            self._let_go()
+            while True:
+                try:
+                    req = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if req is not None:
+                    req.fail(RunnerClosedError("the runner stopped before the request started"))
+
+    def _serve(self) -> None:
         sched = self.scheduler
         idle_since: Optional[float] = None  # None: nothing to give back since the last release (or the start)
         while not self._closed.is_set():
