@@ -242,7 +242,7 @@ class Engine:
         """
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}", "params")
-        params = (params or SamplingParams()).with_(**sampling).for_vocab(self.vocab_size)
+        params = sampling_params(params, sampling, self.vocab_size)
         options = self._spec_options(speculative, None, "auto")
         eviction = check_evict(evict, repack, options, self.model)  # on the batch's paged pool, whatever the store
         options = options if eviction is None else self._spec_options("off", None, "auto")
