@@ -4,6 +4,8 @@ GenerationResult (a finished request)."""
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
+from .logprobs import TokenLogprob
+
 
 @dataclass
 class GenerationStats:
@@ -66,12 +68,33 @@ class GenerationStats:
 @dataclass
 class GenerationStep:
     """One streamed step: new text (possibly empty while a stop string or a UTF-8 sequence is
-    incomplete), the token id it came from, and on the last step the finish reason and stats."""
+    incomplete), the token id it came from, and on the last step the finish reason and stats.
+
+    `logprob`: the token's TokenLogprob when the request asked for logprobs (None otherwise, and on a final
+    step without a token). `tool_calls`: on the final step of a request with tools, the calls parsed from its
+    text (finish_reason is then "tool_calls")."""
 
     text: str
     token: Optional[int]
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
+    logprob: Optional[TokenLogprob] = None
+    tool_calls: Optional[List["ToolCall"]] = None
+
+
+@dataclass
+class ToolCall:
+    """A function call the model made (OpenAI's `tool_calls[i]`).
+
+    Attributes:
+        id: the call's id ("call_" + 24 hex digits), echoed back by the tool's result message.
+        name: the function's name (one of the request's tools).
+        arguments: the arguments as JSON text (a JSON object).
+    """
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass
@@ -82,19 +105,30 @@ class GenerationResult:
         text: the generated text (stop string excluded).
         token_ids: generated token ids (EOS excluded).
         finish_reason: "stop" (EOS or a stop string) or "length" (max_tokens or the context window); a
-            batched request cancelled through its RequestHandle ends with "cancelled".
+            batched request cancelled through its RequestHandle ends with "cancelled"; "tool_calls" when the
+            model called tools.
         stats: GenerationStats.
+        logprobs: one TokenLogprob per generated token when logprobs were asked for, else None.
+        tool_calls: the calls the model made (requests with tools), else [].
     """
 
     text: str
     token_ids: List[int]
     finish_reason: str
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: Optional[List[TokenLogprob]] = None
+    tool_calls: List[ToolCall] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The result as a JSON-ready dict: text, token_ids, finish_reason and stats (GenerationStats.to_dict)."""
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+        """The result as a JSON-ready dict: text, token_ids, finish_reason, stats (GenerationStats.to_dict),
+        and logprobs / tool_calls when present."""
+        out: Dict[str, Any] = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                               "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        if self.tool_calls:
+            out["tool_calls"] = [asdict(c) for c in self.tool_calls]
+        return out
 
 
 def collect(steps: Iterable[GenerationStep]) -> GenerationResult:
@@ -102,11 +136,15 @@ def collect(steps: Iterable[GenerationStep]) -> GenerationResult:
     stats). Raises ValueError when the steps end without a final one."""
     text: List[str] = []
     ids: List[int] = []
+    logprobs: List[TokenLogprob] = []
     for step in steps:
         text.append(step.text)
         if step.token is not None:
             ids.append(step.token)
+        if step.logprob is not None:
+            logprobs.append(step.logprob)
         if step.finish_reason is not None:
             stats = step.stats if step.stats is not None else GenerationStats()
-            return GenerationResult("".join(text), ids, step.finish_reason, stats)
+            return GenerationResult("".join(text), ids, step.finish_reason, stats, logprobs if logprobs else None,
+                                    list(step.tool_calls or []))
     raise ValueError("the request's steps ended without a final step")

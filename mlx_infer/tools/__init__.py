@@ -1,0 +1,1 @@
+"""Tool calls: OpenAI function tools rendered into the prompt, constrained and parsed."""
