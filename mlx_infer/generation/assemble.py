@@ -1,10 +1,12 @@
 """StepAssembler: a request's token ids in, the text to stream out, with EOS, stop strings and max_tokens
-deciding where it ends (the one place both the single-request loop and batched decoding do this)."""
+deciding where it ends (the one place both the single-request loop and batched decoding do this); a request
+with tools gets its final step's tool calls from `with_tool_calls`."""
 
-from typing import Iterable, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from .results import GenerationStep
 from .stops import StopStringMatcher
 
 
@@ -59,3 +61,14 @@ class StepAssembler:
             text += rest if hit else rest + self.stops.flush(self.detokenizer.text)
             finish = "stop" if hit else finish
         return text, token, finish
+
+
+def with_tool_calls(final: GenerationStep, plan: Any, text: str) -> GenerationStep:
+    """The final step of a request with tools (plan: its ToolPlan; text: the request's whole generated text):
+    the calls parsed from the text (ToolPlan.parse) on it, and finish_reason "tool_calls" when the model made
+    any. The plain path (generation/request.py) and batched decoding (batch/request.py) both end here."""
+    _, calls = plan.parse(text)
+    if calls:
+        final.tool_calls = list(calls)
+        final.finish_reason = "tool_calls"
+    return final
