@@ -5,8 +5,12 @@ its own thread).
     app = build_app(engine, runner, ServerConfig(api_key="..."))
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
-Each request is checked (protocol.py), built once by the engine (Engine.batch_request: its prompt encoded,
-its parameters checked), and submitted to the runner; its steps come back on the runner's thread and are handed to the event loop (call_soon_threadsafe) into the request's asyncio queue.
+Each request is checked (protocol.py), built once per choice by the engine (Engine.batch_request: its prompt
+encoded, its parameters, constraint and tools checked; all n before any is submitted, so that a bad value is a
+400 before any decoding), and submitted to the runner: the n choices decode together, the prefix cache sharing
+the prompt's KV blocks. Their steps come back on the runner's thread and are handed to the event loop
+(call_soon_threadsafe) into the answer's asyncio queue as (choice index, step); chunks.Choice turns them into
+OpenAI's choices (message, tool calls, logprobs) or stream deltas.
 A client that disconnects cancels its request at the runner's next step (its KV blocks go back to the pool).
 Errors are OpenAI error objects, never a traceback; an internal error is logged once, with its traceback,
 on the "mlx_infer.server" logger (InternalErrors). The library's errors become error objects in one
@@ -21,7 +25,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Dict, List, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,6 +37,7 @@ from starlette.routing import Route
 from ..batch import BatchRequest, BatchRunner, RequestHandle
 from ..errors import MlxInferError
 from ..generation.results import GenerationStep
+from .chunks import Choice
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
 from .protocol import APIError, ParsedRequest, api_error, parse
 
@@ -122,7 +127,8 @@ class Server:
     def __init__(self, engine, runner: BatchRunner, config: ServerConfig):
         self.engine, self.runner, self.config = engine, runner, config
         self.capacity = runner.scheduler.max_batch + config.max_queue
-        self.open: dict = {}  # RequestHandle -> (event loop, its step queue), the requests in flight
+        self.open: dict = {}  # RequestHandle -> (event loop, its answer's step queue), the requests in flight
+        self._token_texts: Dict[int, str] = {}
 
     # ---- plumbing
 
@@ -153,16 +159,17 @@ class Server:
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply") from None
 
-    def build(self, parsed: ParsedRequest) -> BatchRequest:
-        """The runner's request (Engine.batch_request: the prompt encoded once, the parameters checked, the
-        server's speculative mode and eviction); raises APIError 400 naming the field at fault, the prompt's
-        when it is over the server's max_prompt_tokens."""
+    def build(self, parsed: ParsedRequest, index: int = 0) -> BatchRequest:
+        """The runner's request of choice `index` (Engine.batch_request: the prompt encoded once, the parameters,
+        response_format and tools checked, the server's speculative mode and eviction; with a seed, seed +
+        index); raises APIError 400 naming the field at fault, the prompt's when it is over the server's
+        max_prompt_tokens."""
         chat = isinstance(parsed.prompt, list) and isinstance(parsed.prompt[0], dict)
         field = "messages" if chat else "prompt"
         try:
-            request = self.engine.batch_request(parsed.prompt, parsed.params, chat_template=chat,
+            request = self.engine.batch_request(parsed.prompt, parsed.choice_params(index), chat_template=chat,
                                                 speculative=self.config.speculative, evict=self.config.evict,
-                                                repack=self.config.repack)
+                                                repack=self.config.repack, **parsed.engine_kwargs())
         except MlxInferError as e:
             raise api_error(e, field) from None
         if len(request.prompt_ids) > self.config.max_prompt_tokens:
@@ -170,29 +177,47 @@ class Server:
                                 f"{self.config.max_prompt_tokens}", field)
         return request
 
-    def submit(self, request: BatchRequest):
-        """(handle, asyncio queue of its steps); raises APIError 429 when full, 400 when it cannot fit, 503
-        when the runner is closed."""
-        if len(self.open) >= self.capacity:
+    def submit(self, requests: List[BatchRequest]):
+        """(handles, the asyncio queue of their (index, step)); raises APIError 429 when full, 400 when one cannot
+        fit, 503 when the runner is closed (those already submitted are cancelled)."""
+        if len(self.open) + len(requests) > self.capacity:
             raise APIError(429, f"the server is busy ({len(self.open)} requests in flight): retry shortly",
                            kind="rate_limit_error")
         loop, steps = asyncio.get_running_loop(), asyncio.Queue()
-        try:
-            handle = self.runner.submit(request, on_step=lambda s: loop.call_soon_threadsafe(steps.put_nowait, s))
-        except MlxInferError as e:
-            raise api_error(e) from None
-        self.open[handle] = (loop, steps)
-        return handle, steps
+        handles: List[RequestHandle] = []
+        for index, request in enumerate(requests):
+            def on_step(s, index=index):
+                loop.call_soon_threadsafe(steps.put_nowait, (index, s))
+            try:
+                handle = self.runner.submit(request, on_step=on_step)
+            except MlxInferError as e:
+                self.done(handles)
+                raise api_error(e) from None
+            self.open[handle] = (loop, steps)
+            handles.append(handle)
+        return handles, steps
 
-    def done(self, handle: RequestHandle) -> None:
-        handle.cancel()  # a no-op for a finished request; else its blocks go back at the runner's next step
-        self.open.pop(handle, None)
+    def done(self, handles: List[RequestHandle]) -> None:
+        for handle in handles:
+            handle.cancel()  # a no-op for a finished request; else its blocks go back at the runner's next step
+            self.open.pop(handle, None)
+
+    def token_text(self, token: int) -> str:
+        """A token's text (Engine.decode of the one id), remembered."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.engine.decode([token])
+        return text
+
+    def choices(self, parsed: ParsedRequest, requests: List[BatchRequest], chat: bool) -> List[Choice]:
+        return [Choice(i, chat, getattr(r, "tools", None), self.token_text, parsed.logprobs is not None)
+                for i, r in enumerate(requests)]
 
     def shutdown(self) -> None:
         """The server is stopping (Ctrl-C): end every open request now, so that its connection closes before
         uvicorn's grace period runs out (any thread)."""
         for loop, steps in list(self.open.values()):
-            loop.call_soon_threadsafe(steps.put_nowait, ShuttingDown())
+            loop.call_soon_threadsafe(steps.put_nowait, (None, ShuttingDown()))
 
     # ---- routes
 
@@ -225,18 +250,20 @@ class Server:
     async def complete(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
         parsed = parse(await self.read_json(request), chat, self.config.max_tokens_limit, self.config.default_max_tokens)
-        handle, steps = self.submit(self.build(parsed))
+        requests = [self.build(parsed, i) for i in range(parsed.n)]
+        handles, steps = self.submit(requests)
+        choices = self.choices(parsed, requests, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
-            return StreamingResponse(self.events(handle, steps, parsed, rid, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(self.events(handles, steps, choices, parsed, rid, chat),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            text, final, checked = [], None, time.monotonic()
-            while final is None:
+            checked = time.monotonic()
+            while not all(c.done for c in choices):
                 try:
-                    step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
+                    index, step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    step = None
+                    index, step = None, None
                 if time.monotonic() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
                     checked = time.monotonic()
                     if await request.is_disconnected():
@@ -247,62 +274,57 @@ class Server:
                     raise APIError(503, "the server is shutting down; retry on another server", kind="server_error")
                 if isinstance(step, BaseException):
                     raise generation_failed(step)
-                text.append(step.text)
-                final = step if step.finish_reason is not None else None
+                choices[index].add(step)
         finally:
-            self.done(handle)
-        content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                   "finish_reason": final.finish_reason} if chat else
-                  {"index": 0, "text": content, "logprobs": None, "finish_reason": final.finish_reason})
+            self.done(handles)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.config.model_id, "choices": [choice],
-                             "usage": usage(final)})
+                             "created": int(time.time()), "model": self.config.model_id,
+                             "choices": [c.whole() for c in choices], "usage": usage([c.final for c in choices])})
 
-    async def events(self, handle: RequestHandle, steps: asyncio.Queue, parsed: ParsedRequest, rid: str,
-                     chat: bool) -> AsyncIterator[str]:
+    async def events(self, handles: List[RequestHandle], steps: asyncio.Queue, choices: List[Choice],
+                     parsed: ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
+        """The SSE stream of an answer: per choice a first chunk (chat: the role), then its deltas as its steps
+        come (the n choices interleaved, each chunk one choice with its index), its finish chunk; with
+        include_usage a last chunk of no choices and the usage of all; then [DONE]."""
         created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_or_text, finish=None, **extra) -> str:
-            choice = ({"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": finish} if chat else
-                      {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": finish})
-            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": self.config.model_id, "choices": [choice], **extra}
+        def chunk(choice: Optional[dict], **extra) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": self.config.model_id,
+                    "choices": [choice] if choice is not None else [], **extra}
             if parsed.include_usage:
                 body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
 
         try:
             if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            while True:
-                step = await steps.get()
+                for c in choices:
+                    yield chunk(c.first())
+            while not all(c.done for c in choices):
+                index, step = await steps.get()
                 if isinstance(step, (BaseException, ShuttingDown)):
                     err = (APIError(503, "the server is shutting down", kind="server_error") if isinstance(step, ShuttingDown)
                            else generation_failed(step))
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
-                if step.text or step.finish_reason is None:
-                    if step.text:
-                        yield chunk({"content": step.text} if chat else step.text)
-                if step.finish_reason is not None:
-                    yield chunk({} if chat else "", step.finish_reason)
-                    if parsed.include_usage:
-                        body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": self.config.model_id, "choices": [],
-                                "usage": usage(step)}
-                        yield f"data: {json.dumps(body)}\n\n"
-                    break
+                for choice in choices[index].deltas(step):
+                    yield chunk(choice)
+            else:
+                if parsed.include_usage:
+                    yield chunk(None, usage=usage([c.final for c in choices]))
             yield "data: [DONE]\n\n"
-        finally:  # also when the client went away (the response is cancelled): the request stops
-            self.done(handle)
+        finally:  # also when the client went away (the response is cancelled): the requests stop
+            self.done(handles)
 
 
-def usage(final: GenerationStep) -> dict:
-    s = final.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
+def usage(finals: List[GenerationStep]) -> dict:
+    """OpenAI's usage of an answer's choices (their final steps): the prompt counted once (its cached tokens
+    those of choice 0), the completion tokens of all."""
+    first = finals[0].stats
+    completion = sum(f.stats.generated_tokens for f in finals)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
 
 
 def build_app(engine, runner: BatchRunner, config: ServerConfig) -> Starlette:

@@ -12,3 +12,7 @@ DEFAULT_MAX_TOKENS = 512
 MAX_PROMPT_TOKENS = 32768
 #: Stop strings per request (OpenAI allows 4).
 MAX_STOP = 16
+#: Most choices one request may ask for (`n`): each is a request of the batch.
+MAX_N = 8
+#: Most alternatives per token of the legacy completions' `logprobs` (OpenAI's limit; chat takes up to 20).
+MAX_COMPLETION_LOGPROBS = 5

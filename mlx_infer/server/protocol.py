@@ -1,22 +1,30 @@
 """The OpenAI request bodies the server takes, checked field by field: what is supported is turned into
 SamplingParams, what is not is a 400 that names the field (never ignored in silence).
 
-Supported: `model` (any id: one model is served), `messages` (chat) / `prompt` (completions: a string, a
-list of one string, or token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
-`stop` (a string or up to MAX_STOP strings), `stream`, `stream_options.include_usage`, `presence_penalty`,
-`frequency_penalty`, `user` (ignored, as OpenAI stores it); as llama-server and mlx_lm.server, `top_k`, `min_p`
-and `repetition_penalty`. Accepted only at their default: `n` (1), `logprobs` (false), `echo` (false),
-`response_format` ({"type": "text"}), `tool_choice` ("none"), `stream_options` without other keys.
+Supported: `model` (any id: one model is served), `messages` (chat: system / developer / user / assistant,
+assistant messages with `tool_calls` and null content, `tool` results with `tool_call_id`) / `prompt`
+(completions: a string, a list of one string, or token ids), `max_tokens` / `max_completion_tokens`,
+`temperature`, `top_p`, `seed` (choice i of n draws with seed + i), `n` (1..MAX_N), `stop` (a string or up to
+MAX_STOP strings), `stream`, `stream_options.include_usage`, `presence_penalty`, `frequency_penalty`, `user`
+(ignored, as OpenAI stores it); chat: `response_format` (text, json_object, json_schema), `tools`, `tool_choice`,
+`parallel_tool_calls`, `logprobs` (bool) with `top_logprobs` (0..20); completions: `logprobs` (an int 0..5,
+OpenAI's legacy form); as llama-server and mlx_lm.server, `top_k`, `min_p` and `repetition_penalty`. Accepted
+only at their default: `echo` (false), `stream_options` without other keys.
+
+The shapes are checked here; what needs the model (a schema llguidance compiles, a tool plan, a tool_choice
+naming a tool) is checked by Engine.batch_request, whose errors api_error maps to a 400 with their `param`.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Union
 
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams
 from ..kv.errors import KVBudgetError
-from .defaults import MAX_STOP
+from ..generation.logprobs import MAX_TOP_LOGPROBS
+from ..structured.constraint import response_format as response_format_constraint
+from .defaults import MAX_COMPLETION_LOGPROBS, MAX_N, MAX_STOP
 
 
 class APIError(Exception):
@@ -41,22 +49,60 @@ class APIError(Exception):
 
 @dataclass
 class ParsedRequest:
-    """A checked request: prompt (chat messages [{"role", "content"}] or a string or token ids), its
-    SamplingParams (max_tokens None: the server's default), and how to answer."""
+    """A checked request: prompt (chat messages [{"role", "content"}, with "tool_calls" / "tool_call_id" where
+    given] or a string or token ids), its SamplingParams (max_tokens None: the server's default), and how to
+    answer.
+
+    Attributes:
+        n: choices to generate (1..MAX_N), each its own request; with a seed, choice i uses seed + i.
+        response_format: OpenAI's response_format (None or {"type": "text"}: free text).
+        tools, tool_choice, parallel_tool_calls: OpenAI's tool fields as given (None: absent).
+        logprobs: None (off) or the alternatives per token to report (chat: top_logprobs; completions: the
+            legacy int).
+    """
 
     prompt: Union[str, List[dict], List[int]]
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1
+    response_format: Optional[dict] = None
+    tools: Optional[List[dict]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
+    logprobs: Optional[int] = None
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """The SamplingParams of choice `index`: seed + index (mod 2**64) when a seed is given."""
+        if self.params.seed is None or index == 0:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + index) % 2 ** 64)
+
+    def engine_kwargs(self) -> Dict[str, Any]:
+        """The keyword arguments of Engine.batch_request for the fields given (those absent are left out)."""
+        kw: Dict[str, Any] = {}
+        if self.response_format is not None:
+            kw["response_format"] = self.response_format
+        if self.tools is not None:
+            kw["tools"] = self.tools
+        if self.tool_choice is not None:
+            kw["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            kw["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.logprobs is not None:
+            kw["logprobs"] = self.logprobs
+        return kw
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
            "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty", "n", "logprobs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format", "tool_choice"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
+                         "parallel_tool_calls", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 #: Fields accepted only at these values (what the server does anyway), compared with their JSON types.
-_ONLY = {"n": (1,), "logprobs": (False, None), "echo": (False, None), "tool_choice": ("none", None),
-         "response_format": ({"type": "text"}, None)}
+_ONLY = {"echo": (False, None)}
+#: tool_choice's string values.
+TOOL_CHOICES = ("none", "auto", "required")
 #: OpenAI's range of temperature.
 MAX_TEMPERATURE = 2.0
 
@@ -96,24 +142,66 @@ def _stops(v) -> tuple:
     return tuple(v)
 
 
+def _text(content, i: int, role: str, nullable: bool) -> str:
+    """A message's content as one string: a string, or text parts joined; null where `nullable` (then "")."""
+    if content is None and nullable:
+        return ""
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, f"messages[{i}].content: only text parts are supported (no images or audio)", "messages")
+        return "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts"
+                            + (" (or null with tool_calls)" if role == "assistant" else ""), "messages")
+    return content
+
+
+def _tool_calls(calls, i: int) -> List[dict]:
+    """An assistant message's tool_calls in OpenAI's shape [{"id", "type": "function", "function": {"name",
+    "arguments" (JSON text)}}], checked."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"messages[{i}].tool_calls must be a list of tool calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or call.get("type", "function") != "function" or not isinstance(call.get("id"), str)
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str)):
+            raise APIError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\": str, \"type\": \"function\", "
+                                "\"function\": {\"name\": str, \"arguments\": JSON text}}", "messages")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+#: Fields each role's message may carry besides role and content.
+_MESSAGE_FIELDS = {"system": {"name"}, "developer": {"name"}, "user": {"name"},
+                   "assistant": {"name", "tool_calls", "refusal"}, "tool": {"tool_call_id", "name"}}
+
+
 def _messages(v) -> List[dict]:
+    """Chat messages for the prompt codec: {"role", "content" (a string)}, plus "tool_calls" (assistant) and
+    "tool_call_id" (tool); "developer" becomes "system"."""
     if not isinstance(v, list) or not v:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(v):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"messages[{i}] needs a 'role' of system, developer, user or assistant", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported (no images or audio)", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        extra = set(m) - {"role", "content", "name"}
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in _MESSAGE_FIELDS:
+            raise APIError(400, f"messages[{i}] needs a 'role' of system, developer, user, assistant or tool", "messages")
+        extra = set(m) - {"role", "content"} - _MESSAGE_FIELDS[role]
         if extra:
-            raise APIError(400, f"messages[{i}]: unsupported field '{sorted(extra)[0]}' (tool calls are not supported)", "messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+            raise APIError(400, f"messages[{i}]: unsupported field '{sorted(extra)[0]}' for role {role}", "messages")
+        calls = _tool_calls(m["tool_calls"], i) if m.get("tool_calls") is not None else None
+        message = {"role": "system" if role == "developer" else role,
+                   "content": _text(m.get("content"), i, role, nullable=bool(calls))}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise APIError(400, f"messages[{i}]: a tool message needs the 'tool_call_id' of the call it answers",
+                               "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
@@ -137,6 +225,69 @@ def _check_text(prompt, stops: List[str]) -> None:
             t.encode("utf-8")
         except UnicodeEncodeError:
             raise APIError(400, "the request holds text that is not valid Unicode (a lone surrogate escape)") from None
+
+
+def _int_in(body: dict, name: str, low: int, high: int, what: str = "") -> int:
+    """body[name], an integer in [low, high], else a 400 naming the field."""
+    v = body[name]
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise APIError(400, f"'{name}' must be an integer from {low} to {high}{what}, got {json.dumps(v)}", name)
+    return v
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """The alternatives per token to report (None: logprobs off). Chat: `logprobs` true/false and
+    `top_logprobs` 0..MAX_TOP_LOGPROBS (only with logprobs true); completions: `logprobs` null or an int
+    0..MAX_COMPLETION_LOGPROBS (false is taken as null)."""
+    given = body.get("logprobs")
+    if not chat:
+        if given is None or given is False:
+            return None
+        return _int_in(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, " (OpenAI's legacy completions limit)")
+    if given is not None and not isinstance(given, bool):
+        raise APIError(400, f"'logprobs' must be true or false, got {json.dumps(given)}", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _int_in(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if not given:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if given else None
+
+
+def _response_format(v) -> Optional[dict]:
+    """OpenAI's response_format, its shape checked (None: free text); the schema itself is compiled by the
+    engine. Raises APIError 400 (param response_format)."""
+    if v is None:
+        return None
+    try:
+        response_format_constraint(v)
+    except MlxInferError as e:
+        raise api_error(e) from None
+    if v.get("type") == "json_schema":
+        spec = v["json_schema"]
+        if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise APIError(400, "response_format.json_schema: 'name' must be a string and 'strict' a boolean",
+                           "response_format")
+    return None if v.get("type") == "text" else v
+
+
+def _tools(body: dict) -> tuple:
+    """(tools, tool_choice, parallel_tool_calls) as given, their JSON types checked (the tool plan, built by
+    the engine, checks the functions and that a named tool_choice is one of them)."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise APIError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    if choice is not None:
+        named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str)
+        if not named and choice not in TOOL_CHOICES:
+            raise APIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                "\"function\": {\"name\": ...}}", "tool_choice")
+        if not tools and choice != "none":
+            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError(400, "'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    return tools or None, choice, parallel
 
 
 def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
@@ -185,8 +336,13 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
     if kw.get("temperature", 0) > MAX_TEMPERATURE:
         raise APIError(400, f"'temperature' must be between 0 and {MAX_TEMPERATURE}, got {kw['temperature']}", "temperature")
     _check_text(prompt, list(kw.get("stop", ())))
+    n = _int_in(body, "n", 1, MAX_N, " (this server's limit)") if body.get("n") is not None else 1
+    logprobs = _logprobs(body, chat)
+    response_format = _response_format(body.get("response_format")) if chat else None
+    tools, tool_choice, parallel = _tools(body) if chat else (None, None, None)
     try:
         params = SamplingParams(**kw)
     except MlxInferError as e:
         raise api_error(e) from None
-    return ParsedRequest(prompt, params, stream, bool(options.get("include_usage", False)))
+    return ParsedRequest(prompt, params, stream, bool(options.get("include_usage", False)), n, response_format,
+                         tools, tool_choice, parallel, logprobs)

@@ -142,7 +142,7 @@ def test_auth(engine):
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "bogus": 1}).encode(), 400, "unsupported field 'bogus'"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "n": 2}).encode(), 400, "'n' is supported only as 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "n": 9}).encode(), 400, "'n' must be an integer from 1 to 8"),
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}).encode(), 400, "'temperature' must be a number"),
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}).encode(), 400, "temperature must be >= 0"),
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10 ** 9}).encode(), 400, "'max_tokens' must be between"),
@@ -261,10 +261,11 @@ def test_top_k_past_the_vocabulary_names_its_field(server):
     assert "vocabulary size" in r.json()["error"]["message"]
 
 
-def test_completions_logprobs_zero_is_refused(server):
+def test_completions_logprobs_past_the_legacy_limit_is_refused(server):
     url, _ = server
-    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logprobs": 0}, timeout=60)
-    assert r.status_code == 400 and "'logprobs' is supported only as false" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logprobs": 6}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert "'logprobs' must be an integer from 0 to 5" in r.json()["error"]["message"]
 
 
 def test_non_streaming_disconnect_cancels(server):
