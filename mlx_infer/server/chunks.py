@@ -160,11 +160,11 @@ class Choice:
             return {"content": event.text} if event.text else None
         if event.kind == "call":
             self.calls_streamed += 1
-            return {"tool_calls": [{"index": self.calls_streamed - 1, "id": event.id, "type": "function",
+            return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                                     "function": {"name": event.name, "arguments": ""}}]}
         if not event.text:
             return None
-        return {"tool_calls": [{"index": self.calls_streamed - 1, "function": {"arguments": event.text}}]}
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
     def _choice(self, delta, finish: Optional[str] = None) -> dict:
         key = "delta" if self.chat else "text"
