@@ -1,18 +1,23 @@
 """BatchRequest: one request of batched decoding, from its prompt to its last GenerationStep."""
 
 import time
-from typing import Callable, List, Optional, Union
+from collections import deque
+from typing import Any, Callable, Deque, List, Optional, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
-from ..generation.assemble import StepAssembler
+from ..generation.assemble import StepAssembler, with_tool_calls
+from ..generation.logprobs import LogprobQueue
 from ..generation.results import GenerationStats, GenerationStep
 from ..generation.sampling import (SamplingParams, build_keyed_sampler, build_logits_processors, build_sampler,
                                    pick_token, sampler_input)
 from ..kv.options import EvictSpec
 from ..kv.session import KVRequest
 from ..speculative import SpecOptions, SpecStats
+from ..structured.grammar import GrammarState
+from ..structured.mask import apply_masks
 
 Emit = Callable[[Union[GenerationStep, BaseException]], None]
 
@@ -35,6 +40,14 @@ class BatchRequest:
         evict: token eviction while it decodes in the batch (EvictSpec; None: none), with vToken repacking
             (`repack`) or Naive-Evict; the scheduler gives it a KVRequest (`kv`) when admitted, whose
             stats become GenerationStats.kv. An evicting request never speculates and shares no prefix.
+        grammar: the output's GrammarState (None: unconstrained). Each sampled token is picked under its mask
+            (after the logits processors); every delivered token is consumed by it; the tokens it forces
+            (GrammarState.forced, after each delivered token) are emitted one per decode step without
+            sampling, so the tokens equal those of the same request decoded alone.
+        logprobs: the LogprobQueue of its tokens' logprobs (None: none): each delivered step carries its
+            token's TokenLogprob from the raw logits row it was picked from (`accept`'s `raw`).
+        tools: its ToolPlan (None: no tools): the final step carries the calls parsed from the whole text
+            (generation.assemble.with_tool_calls).
 
     With a seed, the request draws from its own MLX random key (mx.random.key(seed)), so its samples do not
     depend on what else is in the batch, and equal a single request's with the same seed.
@@ -42,7 +55,8 @@ class BatchRequest:
 
     def __init__(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int,
                  detokenizer: StreamingDetokenizer, eos, emit: Optional[Emit], speculative: Optional[SpecOptions] = None,
-                 rmm: Optional[str] = None, evict: Optional[EvictSpec] = None, repack: bool = True):
+                 rmm: Optional[str] = None, evict: Optional[EvictSpec] = None, repack: bool = True, *,
+                 grammar: Optional[GrammarState] = None, logprobs: Optional[LogprobQueue] = None, tools: Any = None):
         self.prompt_ids = list(prompt_ids)
         self.evict, self.repack = evict, repack
         self.kv: Optional[KVRequest] = None  # its eviction and block record, once admitted (evicting only)
@@ -66,6 +80,11 @@ class BatchRequest:
         self.first_at: Optional[float] = None
         self.speculative = speculative if speculative is not None and speculative.on else None
         self.spec: Optional[SpecStats] = SpecStats() if self.speculative is not None else None
+        self.grammar, self.logprobs, self.tools = grammar, logprobs, tools
+        self.forcing: Deque[int] = deque()  # the grammar's forced tokens still to emit (consumed as emitted)
+        self._texts: List[str] = []  # the text delivered so far (a ToolPlan parses it at the end)
+        if grammar is not None:
+            grammar.prefetch()  # the first token's mask, computed while the request waits and prefills
 
     def deliver_to(self, emit: Emit) -> None:
         """Hand this request's steps (and the error that may end it) to `emit` from now on (BatchRunner.submit
@@ -92,10 +111,33 @@ class BatchRequest:
     def sequence(self):
         return self.cache[0].sequence
 
-    def sample(self, logits: mx.array, pending: Optional[mx.array] = None) -> mx.array:
-        """The next token from this request's logits [1, V] (as plain decoding: processors, then
-        sampling.pick_token, with this request's own random key when seeded): [1], lazy. pending: the token
-        [1] sampled but not yet accepted (a pipelined step), part of the history the logits processors see."""
+    @property
+    def structured(self) -> bool:
+        """Whether its rows need the host between steps: a grammar (its mask needs the token before) or
+        logprobs (read from the raw logits row of each token)."""
+        return self.grammar is not None or self.logprobs is not None
+
+    def mask(self) -> Optional[np.ndarray]:
+        """The bitmask int32 [W] its next token is picked under: one-hot on the next forced token, the
+        grammar's mask (the one prefetched at `accept`), or None (unconstrained).
+
+        Raises:
+            whatever the grammar raises computing the mask (the request then fails alone)."""
+        if self.forcing:
+            bits = np.zeros((self.grammar.vocab + 31) // 32, dtype=np.uint32)
+            bits[self.forcing[0] // 32] = 1 << (self.forcing[0] % 32)
+            return bits.view(np.int32)
+        return self.grammar.mask() if self.grammar is not None else None
+
+    def sample(self, logits: mx.array, pending: Optional[mx.array] = None,
+               mask: Optional[np.ndarray] = None) -> mx.array:
+        """The next token from this request's logits [1, V] (as plain decoding: processors, then the
+        grammar's `mask` (int32 [W], None: unconstrained), then sampling.pick_token, with this request's own
+        random key when seeded): [1], lazy. pending: the token [1] sampled but not yet accepted (a pipelined
+        step), part of the history the logits processors see. A forced token is taken as it is (no draw:
+        the random key moves only where plain decoding samples)."""
+        if self.forcing:
+            return mx.array([self.forcing[0]], dtype=mx.uint32)
         logits = logits.astype(mx.float32)  # as plain decoding and the speculative loop pick from
         if self.processors:
             history = mx.array((self.prompt_ids + self.generated)[-self.params.repetition_context_size:], mx.uint32)
@@ -103,21 +145,69 @@ class BatchRequest:
                 history = mx.concatenate([history, pending.astype(mx.uint32)])[-self.params.repetition_context_size:]
             for p in self.processors:
                 logits = p(history, logits)
+        if mask is not None:
+            logits = apply_masks(logits, [mask])
         if self.key is None or self.params.greedy:
             return pick_token(logits, self.params, self.sampler)
         token, self.key = self.keyed_sampler(sampler_input(logits, self.params), self.key)
         return token
 
-    def accept(self, token: int) -> bool:
-        """Deliver a sampled token; True when the request has ended (its final step emitted)."""
+    def accept(self, token: int, raw: Optional[mx.array] = None, committed: bool = False) -> bool:
+        """Deliver a token; True when the request has ended (its final step emitted, or failed).
+
+        Args:
+            token: the token picked from its row (or the next forced one).
+            raw: the raw logits row [1, V] it was picked from (its logprob; needed with logprobs).
+            committed: its source already consumed it into the grammar and recorded its logprob (a lone
+                request's speculative iterator); only its logprob is taken.
+
+        A grammar that refuses it or fails fails this request alone (`fail`: the error is emitted)."""
         self.first_at = self.first_at or time.perf_counter()
         self.generated.append(token)
         text = self.assembler.add(token)
+        if not committed:
+            try:
+                self._advance(token, ended=text is None)
+            except Exception as e:  # ConstraintError, or llguidance's own error: this request only
+                self.fail(e)
+                return True
+            if self.logprobs is not None:
+                self.logprobs.add(raw, [token])
         if text is not None:
-            self.emit(GenerationStep(text, token))
+            self._texts.append(text)
+            logprob = self.logprobs.take() if self.logprobs is not None else None
+            self.emit(GenerationStep(text, token, logprob=logprob))
             return False
         self.finish()
         return True
+
+    def _advance(self, token: int, ended: bool) -> None:
+        """The grammar consumes the token; unless the request ended, it plans the next: the tokens it forces
+        (after a forced span's last token, asked again, as plain decoding does) or the mask, started on the
+        mask thread (GrammarState.prefetch) while the next forward runs."""
+        if self.grammar is None:
+            return
+        if self.forcing:
+            self.forcing.popleft()
+        self.grammar.consume([token])
+        if not ended and not self.forcing:
+            self._plan()
+
+    def _plan(self) -> None:
+        if not self.grammar.stopped:
+            self.forcing.extend(self.grammar.forced())
+        if not self.forcing:
+            self.grammar.prefetch()
+
+    def resume(self) -> None:
+        """Back in the batch after its speculative iterator closed (which rolled its cache and grammar back
+        to the tokens delivered): the logprobs it recorded for tokens not delivered are dropped, and the
+        grammar plans the next token (`_advance`)."""
+        if self.logprobs is not None:
+            self.logprobs.clear()
+        if self.grammar is not None and not self.finished:
+            self.forcing.clear()
+            self._plan()
 
     def finish(self, cancelled: bool = False) -> None:
         """Emit the final step: finish_reason "stop" / "length" (or "cancelled": the text so far, nothing
@@ -149,7 +239,11 @@ class BatchRequest:
         if self.spec is not None:
             stats.spec_mode, stats.tau, stats.rounds = self.spec.mode or "off", self.spec.tau, self.spec.rounds
             stats.draft_s, stats.verify_s, stats.acceptance = self.spec.draft_s, self.spec.verify_s, self.spec.acceptance
-        self.emit(GenerationStep(text, token, finish_reason=reason, stats=stats))
+        logprob = self.logprobs.take() if self.logprobs is not None and token is not None else None
+        final = GenerationStep(text, token, finish_reason=reason, stats=stats, logprob=logprob)
+        if self.tools is not None and not cancelled:
+            final = with_tool_calls(final, self.tools, "".join(self._texts) + text)
+        self.emit(final)
 
     def fail(self, error: BaseException) -> None:
         """End the request with an error (emitted in the place of its final step)."""

@@ -23,14 +23,19 @@ def check_batchable(rmm: Optional[Retention]) -> None:
 
 def solo_tokens(spec: SpecState) -> Callable[[BatchRequest], Optional[Iterator[int]]]:
     """BatchScheduler's `solo`: the speculative iterator of a batched request running alone (its cache holds
-    its prompt and its tokens but the last; SpecState.tokens), None where speculation cannot pay."""
+    its prompt and its tokens but the last; SpecState.tokens), None where speculation cannot pay. Its
+    grammar (which has consumed every token delivered) and logprobs go with it: the iterator consumes and
+    records the tokens it yields."""
 
     def tokens(req: BatchRequest) -> Optional[Iterator[int]]:
         if req.speculative is None or req.spec is None or req.cache is None:
             return None
         history = req.prompt_ids + req.generated
+        # (grammar / logprobs passed only when set: speculative decoding takes them as keyword arguments)
+        structured = {name: value for name, value in (("grammar", req.grammar), ("logprobs", req.logprobs))
+                      if value is not None}
         return spec.tokens(history, req.params, req.max_tokens - req.assembler.n, req.speculative, req.spec,
-                           req.cache, start=len(history) - 1)
+                           req.cache, start=len(history) - 1, **structured)
 
     return tokens
 

@@ -20,15 +20,26 @@ the same points, so its tokens equal those of the same request alone. With repac
 the blocks of the most tokens it keeps live (kv.session.reserved_blocks): when the pool lacks the blocks a
 prefill or a decode step needs, the evicting requests are repacked at once (KVRequest.compact), which the
 reservations guarantee makes the room. That is where eviction lets more requests run in the same budget.
+
+A request may carry a grammar (structured generation, issue 48) and logprobs. Its row is picked under its
+grammar's mask, applied after its logits processors; rows without one are unmasked. A constrained row's pick
+needs the mask of the state after its previous token, which the pipelined step cannot know in advance: a batch
+with a constrained row still launches its forward on the lazy tokens, then reads the previous tokens back (each
+grammar consumes its token and starts its next mask on the mask thread, while the forward runs), then gathers
+the masks [B, W] and builds the picks (`_pick_masked`). The grammar's forced tokens are emitted one per step
+(a one-hot mask), so a row's tokens equal its request's decoded alone. A request whose grammar fails fails
+alone; the batch goes on. Batches without a constrained row run as before.
 """
 
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_BATCH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
@@ -38,7 +49,19 @@ from ..kv.batch import BatchStep
 from ..kv.errors import KVBudgetError
 from ..kv.observe import QueryRows, QueryTap
 from ..kv.session import KVRequest, PagedKV, over_budget, release, reserved_blocks
+from ..structured.mask import apply_masks
 from .request import BatchRequest
+
+
+@dataclass
+class _Decode:
+    """A decode forward in flight: its requests, the raw logits [B, V] (kept
+    while a row reports logprobs or its pick waits for a grammar's mask; else None) and the sampled tokens
+    [B] (lazy; None until `_pick_masked` builds them)."""
+
+    batch: List[BatchRequest]
+    logits: Optional[mx.array]
+    sampled: Optional[mx.array]
 
 
 class BatchScheduler:
@@ -74,7 +97,7 @@ class BatchScheduler:
         self.running: List[BatchRequest] = []
         self.steps = 0  # batched decode forwards run
         # the decode forward in flight: its requests and their sampled tokens [B] (lazy, being evaluated)
-        self._inflight: Optional[Tuple[List[BatchRequest], mx.array]] = None
+        self._inflight: Optional[_Decode] = None
         self.solo = solo
         self._solo: Optional[Tuple[BatchRequest, Iterator[int]]] = None  # the lone speculative request
         kv.check_budget()  # KVBudgetError for a budget that holds no block
@@ -174,28 +197,31 @@ class BatchScheduler:
             try:
                 self._make_room(sum(math.ceil((len(r.prompt_ids) - r.cached_tokens) / self.kv.block_size) + 1
                                     for r in admitted))
-                firsts = self._prefill(admitted)
+                firsts, rows = self._prefill(admitted)
             except Exception:
                 for r in admitted:
                     self._leave(r)
                 raise
-            for r, token in zip(admitted, firsts):
+            for b, (r, token) in enumerate(zip(admitted, firsts)):
                 if self.prefix_cache and r.evict is None:  # its prompt's full blocks, for the requests that share them
                     self.kv.prefix.insert(r.prompt_ids, r.sequence.table.blocks)
-                if r.accept(token):
+                if r.finished or r.accept(token, rows[b:b + 1]):  # (finished: its grammar failed)
                     self._leave(r)
         previous, self._inflight = self._inflight, None
         lone = self.running[0] if len(self.running) == 1 and not self.waiting else None
-        if self.solo is not None and lone is not None and lone.speculative is not None:
+        # (a lone request goes speculative between forced spans: its iterator decides them itself)
+        if self.solo is not None and lone is not None and lone.speculative is not None and not lone.forcing:
             if previous is not None:
-                self._deliver(*previous)
+                self._deliver(previous)
                 previous = None
-            if lone in self.running and self._start_solo(lone):
+            if lone in self.running and not lone.forcing and self._start_solo(lone):
                 return self._solo_step()
-        if self.running:
-            self._inflight = self._launch(previous)
+        launched = self._launch(previous) if self.running else None
         if previous is not None:
-            self._deliver(*previous)
+            self._deliver(previous)
+        if launched is not None and launched.sampled is None:
+            self._pick_masked(launched)
+        self._inflight = launched
 
     def _start_solo(self, req: BatchRequest) -> bool:
         tokens = self.solo(req)
@@ -209,26 +235,31 @@ class BatchScheduler:
         """The lone request's next token from its speculative iterator."""
         req, tokens = self._solo
         token = next(tokens, None)
-        if token is None or req.accept(token):
+        if token is None or req.accept(token, committed=True):
             self._end_solo()
             if token is None:  # the source ended first (the context window)
                 req.finish()
             self._leave(req)
 
     def _end_solo(self) -> None:
-        """Close the lone request's speculative iterator: its cache is rolled back to the tokens delivered,
-        all but the last one (the state batched decoding continues from)."""
-        _, tokens = self._solo
+        """Close the lone request's speculative iterator: its cache (and grammar) is rolled back to the tokens
+        delivered, all but the last one (the state batched decoding continues from); the request resumes
+        (BatchRequest.resume: leaves when its grammar fails there)."""
+        req, tokens = self._solo
         self._solo = None
         tokens.close()
+        req.resume()
+        if req.finished and req in self.running:
+            self._leave(req)
 
-    def _prefill(self, reqs: List[BatchRequest]) -> List[int]:
+    def _prefill(self, reqs: List[BatchRequest]) -> Tuple[List[int], mx.array]:
         """Prefill the newcomers' prompts together and sample each one's first token: every prompt but its last
         token in batched forwards of at most PREFILL_STEP_SIZE tokens in all (each request a left-padded row;
         their logits are never evaluated, so MLX never computes the output head for them), then one forward
         of every newcomer's last prompt token (L = 1) whose logits [B, 1, V] give the first tokens, as a lone
         request's generate_step does. Computing the head only there saves its share of the prefill (large on
-        models with a big vocabulary against their width) for one forward of B rows."""
+        models with a big vocabulary against their width) for one forward of B rows. Returns the first tokens
+        and the raw logits [B, V] they were picked from (a request whose grammar failed is finished)."""
         now = time.perf_counter()
         todo = {}
         for r in reqs:
@@ -246,9 +277,11 @@ class BatchScheduler:
                     del todo[r]
             mx.eval(pool.arrays())
         logits, _ = self._forward(reqs, [[r.prompt_ids[-1]] for r in reqs])  # [B, 1, V]
-        tokens = [r.sample(logits[b:b + 1, -1, :]) for b, r in enumerate(reqs)]  # [1] each
+        rows = logits[:, -1, :]  # [B, V]
+        masks = self._masks(reqs, leave=False)
+        tokens = [r.sample(rows[b:b + 1], mask=masks[b]) for b, r in enumerate(reqs)]  # [1] each
         mx.eval(tokens + pool.arrays())
-        return [int(t.item()) for t in tokens]
+        return [int(t.item()) for t in tokens], rows
 
     def _forward(self, reqs: List[BatchRequest], chunks: List[List[int]], inputs: Optional[mx.array] = None,
                  tapped: bool = False) -> Tuple[mx.array, Dict[int, QueryRows]]:
@@ -281,23 +314,27 @@ class BatchScheduler:
         step.done()
         return logits
 
-    def _launch(self, previous: Optional[Tuple[List[BatchRequest], mx.array]]):
+    def _launch(self, previous: Optional[_Decode]) -> Optional[_Decode]:
         """Build the next decode forward and start evaluating it (mx.async_eval), before the tokens of the
         previous one are read back, so that building one step overlaps computing the other (as mlx-lm's
         generate_step). Its input is each running request's newest token: the previous forward's sampled row
         (still lazy) or, for a newcomer, its first token. A request whose pending token is its last
         (max_tokens) is left out; one that the pending token ends otherwise (EOS, a stop string) wastes one
-        row, discarded when it leaves. Returns (requests, sampled tokens [B]) or None."""
-        rows = {id(r): b for b, r in enumerate(previous[0])} if previous is not None else {}
-        batch, inputs = [], []
+        row, discarded when it leaves. The picks are built here too, unless a row has a grammar (its mask
+        needs its previous token: `_pick_masked` builds them after the read-back). Returns the _Decode or
+        None."""
+        rows = {id(r): b for b, r in enumerate(previous.batch)} if previous is not None else {}
+        batch, inputs, pending = [], [], []
         for r in self.running:
             b = rows.get(id(r))
             if b is None:
                 batch.append(r)
                 inputs.append(mx.array([r.generated[-1]], mx.uint32))
+                pending.append(None)  # (already in r.generated: the processors' history has it)
             elif len(r.generated) + 1 < r.max_tokens:
                 batch.append(r)
-                inputs.append(previous[1][b:b + 1].astype(mx.uint32))
+                inputs.append(previous.sampled[b:b + 1].astype(mx.uint32))
+                pending.append(inputs[-1])
         if not batch:
             return None
         if any(r.kv is not None for r in self.running):
@@ -308,18 +345,55 @@ class BatchScheduler:
         for b, rows in queries.items():  # eviction after the forward, as a lone request's (Engine.stream_steps)
             batch[b].kv.step(rows)
             batch[b].reserved_blocks = self.blocks_needed(batch[b], evicted=True)
+        self.steps += 1
+        keep = any(r.structured for r in batch)
+        if any(r.grammar is not None for r in batch):
+            mx.async_eval(logits)  # the forward runs while the previous tokens are read back
+            return _Decode(batch, logits, None)
         if all(r.greedy_plain for r in batch):
             sampled = mx.argmax(logits, axis=-1)  # [B]
         else:
-            sampled = mx.concatenate([r.sample(logits[b:b + 1], inputs[b]) for b, r in enumerate(batch)])  # [B]
+            sampled = mx.concatenate([r.sample(logits[b:b + 1], pending[b]) for b, r in enumerate(batch)])  # [B]
         mx.async_eval(sampled)
-        self.steps += 1
-        return batch, sampled
+        return _Decode(batch, logits if keep else None, sampled)
 
-    def _deliver(self, batch: List[BatchRequest], sampled: mx.array) -> None:
-        """Read back a decode forward's tokens and hand each to its request (if it is still running)."""
-        for r, t in zip(batch, sampled.tolist()):
-            if r in self.running and r.accept(int(t)):
+    def _pick_masked(self, step: _Decode) -> None:
+        """The picks of a launched forward with constrained rows, after the previous tokens were delivered
+        (each grammar has consumed its row's token): the masks gathered [B, W] (None: unmasked) and applied to
+        each row after its processors; started (mx.async_eval) into step.sampled. Rows that left meanwhile
+        get no mask (their pick is discarded)."""
+        masks = self._masks(step.batch)
+        if all(r.greedy_plain for r in step.batch):
+            sampled = mx.argmax(apply_masks(step.logits, masks), axis=-1)  # [B]
+        else:  # (each row's token is in its history now: no pending token)
+            sampled = mx.concatenate([r.sample(step.logits[b:b + 1], None, masks[b])
+                                      for b, r in enumerate(step.batch)])
+        mx.async_eval(sampled)
+        step.sampled = sampled
+
+    def _masks(self, batch: List[BatchRequest], leave: bool = True) -> List[Optional[np.ndarray]]:
+        """Each running request's mask for its next pick (BatchRequest.mask; None: unmasked, or a request
+        no longer running). A request whose grammar fails here fails alone (its error emitted) and, with
+        `leave`, leaves the batch."""
+        masks: List[Optional[np.ndarray]] = []
+        for r in batch:
+            mask = None
+            if not r.finished and (r.grammar is not None):
+                try:
+                    mask = r.mask()
+                except Exception as e:  # llguidance's error, or a bug in a grammar: this request only
+                    r.fail(e)
+                    if leave:
+                        self._leave(r)
+            masks.append(mask)
+        return masks
+
+    def _deliver(self, step: _Decode) -> None:
+        """Read back a decode forward's tokens and hand each to its request (if it is still running), with
+        its raw logits row (its logprob)."""
+        for b, (r, t) in enumerate(zip(step.batch, step.sampled.tolist())):
+            raw = step.logits[b:b + 1] if step.logits is not None else None
+            if r in self.running and r.accept(int(t), raw):
                 self._leave(r)
 
     def _leave(self, req: BatchRequest) -> None:

@@ -69,6 +69,10 @@ class LogprobQueue:
         if len(tokens):
             self._q.extend(token_logprobs(logits, tokens, self.top))
 
+    def clear(self) -> None:
+        """Forget the recorded logprobs not taken (a source closed before delivering their tokens)."""
+        self._q.clear()
+
     def take(self) -> TokenLogprob:
         """The next yielded token's TokenLogprob. Raises IndexError when the source recorded none (a bug)."""
         return self._q.popleft()
