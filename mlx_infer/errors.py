@@ -72,3 +72,9 @@ class InvalidGGUFError(MlxInferError):
 class DiskWriteError(MlxInferError):
     """A result that could not be written (a full disk, a quota or file size limit): the message names the
     folder, the space free there and what to do; nothing half-written is left behind."""
+
+
+class DistributedError(MlxInferError):
+    """A run across several processes (`mlx.launch`) that cannot go on: a model whose heads do not split over
+    the group, model files that differ between ranks, a rank that stopped answering. Every rank raises it;
+    rank 0 prints it."""

@@ -85,7 +85,8 @@ def to_float32(model: nn.Module) -> nn.Module:
 
 
 def load_model(
-    model: Optional[str] = None, weights: str = "auto", progress: Optional[Callable] = None
+    model: Optional[str] = None, weights: str = "auto", progress: Optional[Callable] = None,
+    prepare: Optional[Callable[[nn.Module, dict, "ModelSource"], None]] = None,
 ) -> Tuple[nn.Module, object, dict, ModelSource]:
     """Load a model and its tokenizer.
 
@@ -97,6 +98,8 @@ def load_model(
             allows. Native quantized layers run on the CPU kernels whenever they are available
             (`MLX_INFER_KERNELS=off` turns them off).
         progress: see `resolve`.
+        prepare: called with (model, config, source) on the lazily loaded mlx-lm model, before its weights are
+            evaluated and its layers swapped for the kernels' (distributed/: a rank's shard of the model).
 
     Returns:
         (model, tokenizer (mlx-lm TokenizerWrapper), config dict, ModelSource).
@@ -108,11 +111,14 @@ def load_model(
         raise MlxInferError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
     source = resolve(model, progress)
     try:
-        net, tokenizer, config = mlx_lm_load(str(source.mlx_dir), return_config=True)
+        net, tokenizer, config = mlx_lm_load(str(source.mlx_dir), return_config=True, lazy=prepare is not None)
     except ValueError as e:
         if "not supported" in str(e).lower():
             raise MlxInferError(f"{source.name}: {e}") from e
         raise
+    if prepare is not None:
+        prepare(net, config, source)
+        mx.eval(net.parameters())
     quantized = any(supports(m) for _, m in net.named_modules())
     cpu_here = backend_name() == "cpu" and cpu_kernels.available()
     kernels = quantized and weights != "float32" and cpu_here
