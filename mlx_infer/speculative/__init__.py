@@ -6,6 +6,7 @@
     registry.py   the data of models/registry.json (target -> drafter)
     loop.py       the algorithm: draft -> one target forward -> verify -> commit -> KV rollback
     feedback.py   beside it, once per round: the round's times, SpecStats, what the policy learns
+    constrained.py under a grammar: drafts with its forced tokens, each row's mask, the commit into it
     verify.py     pure accept/reject (greedy; exact speculative sampling, arXiv 2211.17192 / 2302.01318)
     schedule.py   the draft-length policies: FixedGamma, DraftScheduler (max_draft="auto")
     cost.py       the target's verify cost by width (measured once, cached)

@@ -114,6 +114,8 @@ class RoundReport:
         ahead: the round was launched before the previous one was read back (it drafted nothing).
         offered: the drafter is free, so the policy counts the bucket this round's context offered.
         offer_key: that bucket (Drafter.offer_key; None: no proposal was on offer).
+        forced: tokens the grammar forced that the round committed besides the accepted drafts and its own
+            token (constrained decoding; not the drafter's, so neither verified nor accepted above).
     """
 
     verified: int
@@ -123,6 +125,7 @@ class RoundReport:
     ahead: bool = False
     offered: bool = False
     offer_key: Optional[int] = None
+    forced: int = 0
 
 
 def learn(stats: SpecStats, policy: DraftPolicy, report: RoundReport, clock: RoundClock) -> None:
@@ -130,7 +133,7 @@ def learn(stats: SpecStats, policy: DraftPolicy, report: RoundReport, clock: Rou
     the policy's offer counts, the stats, the policy's estimates)."""
     if report.offered:
         policy.offered(report.offer_key)
-    stats.record(report.verified + report.outside, report.accepted, report.accepted + 1)
+    stats.record(report.verified + report.outside, report.accepted, report.accepted + report.forced + 1)
     stats.draft_s += clock.draft_s
     stats.verify_s += clock.verify_s
     policy.observe(report.verified, report.accepted, clock.draft_s, clock.verify_s, key=report.key,

@@ -35,8 +35,11 @@ from ..defaults import CLEAR_CACHE_ROUNDS, MAX_VERIFY_WIDTH, PREFILL_STEP_SIZE
 from ..errors import MlxInferError
 from ..generation.compiled import CompiledDecode
 from ..generation.decode import decode_stream
+from ..generation.logprobs import LogprobQueue
 from ..generation.sampling import SamplingParams, build_logits_processors
+from ..structured.grammar import GrammarState
 from .capture import TargetTaps
+from .constrained import GrammarDraft, build_draft, commit as grammar_commit
 from .drafters.base import Draft, Drafter
 from .feedback import RoundClock, RoundReport, SpecStats, learn
 from .schedule import DraftPolicy, FixedGamma
@@ -95,12 +98,14 @@ def _in_vocab(tokens: List[int], vocab: int) -> int:
 
 
 def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams, processors, q,
-            rejected_q: Optional[mx.array] = None):
+            rejected_q: Optional[mx.array] = None, masks: Optional[list] = None):
     """Lazy (accepted count, next token) of one round: logits [g+1, V] of [pending] + tokens (g ints),
     q the draft's [g, V] probabilities or None (deterministic drafter); rejected_q: [V] q row of a next
-    draft token outside the target's vocabulary (verify.verify_sampling). Greedy: the longest prefix equal
-    to the target's argmax; sampling: the accept / residual rule of arXiv 2211.17192 / 2302.01318."""
-    processed = process_logits(logits, history, tokens, params, processors)  # [g+1, V]
+    draft token outside the target's vocabulary or refused by the grammar (verify.verify_sampling); masks:
+    the grammar's g+1 bitmasks, one per row (verify.process_logits), None without a grammar. Greedy: the
+    longest prefix equal to the target's argmax; sampling: the accept / residual rule of arXiv 2211.17192 /
+    2302.01318."""
+    processed = process_logits(logits, history, tokens, params, processors, masks=masks)  # [g+1, V]
     draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
     if params.greedy:
         return verify_greedy(draft_arr, processed)
@@ -118,11 +123,14 @@ class _Proposal:
         outside: tokens the drafter proposed after them that lie outside the target's vocabulary (the first
             is rejected for certain, so the forward stops before it and its q row shapes the residual).
         draft: the drafter's Draft (its q and key), None when nothing was asked for.
+        grammar: the draft built under the request's grammar (its forced tokens, masks and q rows; tokens
+            is its tokens), None without a grammar.
     """
 
     tokens: List[int] = field(default_factory=list)
     outside: int = 0
     draft: Optional[Draft] = None
+    grammar: Optional[GrammarDraft] = None
 
 
 @dataclass
@@ -134,6 +142,7 @@ class _Round:
         n, nxt: lazy scalars: the accepted draft tokens (n <= g) and the target's next token.
         rows: the taps of the forward's g+1 positions ([1, g+1, n*H]), None without taps.
         ahead: launched before the previous round was read back (then it drafts nothing).
+        logits: the forward's raw logits [g+1, V] (the committed rows' log-softmax are the logprobs).
     """
 
     proposal: _Proposal
@@ -141,6 +150,7 @@ class _Round:
     nxt: mx.array
     rows: Optional[mx.array] = None
     ahead: bool = False
+    logits: Optional[mx.array] = None
 
 
 @dataclass
@@ -155,6 +165,7 @@ class _Request:
         history: prompt + committed tokens; history[-1] is the pending token (not in the cache).
         produced: tokens delivered to the consumer.
         ahead: a plain round launched before the previous round was read back, or None.
+        forced_left: forced tokens the previous round's draft left for this one (constrained.commit).
     """
 
     model: nn.Module
@@ -169,12 +180,15 @@ class _Request:
     progress: Optional[Callable[[int, int], None]]
     compiled: Optional[CompiledDecode]
     taps: Optional[TargetTaps]
+    grammar: Optional[GrammarState] = None
+    logprobs: Optional[LogprobQueue] = None
     forward: Any = None
     processors: list = field(default_factory=list)
     vocab: int = 0
     history: List[int] = field(default_factory=list)
     produced: int = 0
     ahead: Optional[_Round] = None
+    forced_left: List[int] = field(default_factory=list)
 
 
 def speculative_tokens(
@@ -189,6 +203,9 @@ def speculative_tokens(
     start: int = 0,
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: Optional[CompiledDecode] = None,
+    *,
+    grammar: Optional[GrammarState] = None,
+    logprobs: Optional[LogprobQueue] = None,
 ) -> Iterator[int]:
     """Token ids of speculative decoding: the same tokens as plain decoding (greedy), or tokens with the same
     distribution (sampling; arXiv 2211.17192, 2302.01318).
@@ -211,6 +228,12 @@ def speculative_tokens(
         compiled: the target's CompiledDecode of verify widths (SpecState.forward: its traces serve every
             request), which runs the rounds' forwards (the prefill stays the model's) where
             CompiledDecode.applies and the drafter taps no layers; None: the model builds each forward.
+        grammar: the request's GrammarState (None: unconstrained), in its initial state: every row is
+            picked / verified under its mask, the committed tokens are consumed into it, and drafts are built
+            under it with its forced tokens (constrained.py); greedy output equals plain constrained decoding
+            (generation/decode.plain_tokens with the same grammar), sampled output has its distribution.
+        logprobs: the request's LogprobQueue (None: none): each round adds the raw logits rows of its
+            committed tokens before yielding them.
 
     Yields:
         int token ids, one at a time (close the generator to stop early; the cache is then rolled back to
@@ -226,7 +249,8 @@ def speculative_tokens(
     policy = FixedGamma(max_draft) if isinstance(max_draft, int) else max_draft
     taps = TargetTaps(model, drafter.target_layer_ids) if drafter.wants_hidden else None
     req = _Request(model, prompt_ids, params, max_tokens, drafter, policy,
-                   stats if stats is not None else SpecStats(), cache, start, progress, compiled, taps)
+                   stats if stats is not None else SpecStats(), cache, start, progress, compiled, taps,
+                   grammar, logprobs)
     with mx.stream(decode_stream()):
         if taps is None:
             return (yield from _decode(req))
@@ -325,12 +349,34 @@ def _draft(req: _Request) -> _Proposal:
     that many tokens after the history; a free drafter proposes the most and the policy keeps what pays. A
     draft token outside the target's vocabulary ends what is verified (`_Proposal.outside`)."""
     gamma = max(0, min(int(req.policy.gamma()), req.max_tokens - req.produced - 1, MAX_VERIFY_WIDTH - 1))
+    if req.grammar is not None:
+        return _draft_constrained(req, gamma)
     draft = req.drafter.propose(req.history, gamma, req.policy.worth) if gamma > 0 else None
     tokens = list(draft.tokens[:gamma]) if draft else []
     if tokens:
         tokens = tokens[: req.policy.cut(draft)]
     inside = _in_vocab(tokens, req.vocab)
     return _Proposal(tokens[:inside], len(tokens) - inside, draft)
+
+
+def _draft_constrained(req: _Request, gamma: int) -> _Proposal:
+    """Draft under the request's grammar (constrained.build_draft): its forced tokens (certain accepts) and
+    the drafter's tokens it allows, at most gamma of the drafter's, the whole within the verify width and the
+    tokens left; the grammar is left after the draft."""
+    limit = max(0, min(req.max_tokens - req.produced - 1, MAX_VERIFY_WIDTH - 1))
+    sampled = not req.params.greedy
+
+    def ask(context: List[int], room: int):
+        draft = req.drafter.propose(context, room, req.policy.worth)
+        tokens = list(draft.tokens[:room])
+        if tokens:
+            tokens = tokens[: req.policy.cut(draft)]
+        q = _fit_vocab(draft.q[: len(tokens)], req.vocab) if sampled and draft.q is not None and tokens else None
+        return draft, tokens, q
+
+    built = build_draft(req.grammar, req.vocab, req.drafter, req.history, ask, limit, gamma, req.forced_left)
+    req.forced_left = []
+    return _Proposal(built.tokens, int(built.refused), built.draft, built)
 
 
 def _verify_round(req: _Request, proposal: _Proposal) -> _Round:
@@ -340,6 +386,8 @@ def _verify_round(req: _Request, proposal: _Proposal) -> _Round:
     block = mx.array([req.history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
     logits = req.forward(block[None], cache=req.cache)[0].astype(mx.float32)  # [g+1, V]
     rows = req.taps.features() if req.taps is not None else None  # [1, g+1, n*H]
+    if proposal.grammar is not None:
+        return _verify_constrained(req, proposal, logits, rows)
     q = rejected_q = None
     draft = proposal.draft
     if not req.params.greedy and draft is not None and draft.q is not None:
@@ -347,14 +395,28 @@ def _verify_round(req: _Request, proposal: _Proposal) -> _Round:
         q = q_all[: len(tokens)]
         rejected_q = q_all[len(tokens)] if proposal.outside else None
     n, nxt = _verify(logits, req.history, tokens, req.params, req.processors, q, rejected_q)
-    return _Round(proposal, n, nxt, rows)
+    return _Round(proposal, n, nxt, rows, logits=logits)
+
+
+def _verify_constrained(req: _Request, proposal: _Proposal, logits: mx.array, rows) -> _Round:
+    """The verify of a draft built under the grammar: row i masked by the draft's mask i, the last row by the
+    mask after the whole draft (read from the grammar's mask thread once the forward is launched)."""
+    built = proposal.grammar
+    mx.async_eval(logits)  # the forward runs while the bonus row's mask is computed
+    bonus = built.bonus if built.bonus is not None else req.grammar.mask()
+    q = built.q if not req.params.greedy else None
+    rejected_q = built.refused_q if not req.params.greedy else None
+    n, nxt = _verify(logits, req.history, proposal.tokens, req.params, req.processors, q, rejected_q,
+                     masks=built.masks + [bonus])
+    return _Round(proposal, n, nxt, rows, logits=logits)
 
 
 def _plain_next(req: _Request, rnd: _Round) -> bool:
     """Whether the round after `rnd` is plain whatever token `rnd` commits: `rnd` drafts nothing, no logits
-    processor needs the history, a token is left after it, and the policy says so (DraftPolicy.plain_next)."""
-    if rnd.proposal.tokens or req.processors or req.produced + 1 >= req.max_tokens:
-        return False
+    processor needs the history, no grammar (its mask and forced tokens need the token), a token is left
+    after it, and the policy says so (DraftPolicy.plain_next)."""
+    if rnd.proposal.tokens or req.processors or req.grammar is not None or req.produced + 1 >= req.max_tokens:
+        return False  # a grammar's mask needs the token
     return req.policy.plain_next(req.drafter.possible_keys(req.history) if req.drafter.free else None)
 
 
@@ -368,7 +430,7 @@ def _launch_ahead(req: _Request, rnd: _Round) -> _Round:
     # the verify of an empty draft (no logits processors: they need the history)
     n, nxt = _verify(logits, (), [], req.params, None, None)
     mx.async_eval(n, nxt)
-    return _Round(_Proposal(), n, nxt, rows, ahead=True)
+    return _Round(_Proposal(), n, nxt, rows, ahead=True, logits=logits)
 
 
 def _read_back(req: _Request, rnd: _Round) -> Tuple[int, int]:
@@ -384,18 +446,29 @@ def _report(req: _Request, rnd: _Round, n: int) -> RoundReport:
     """What a read-back round did, for feedback.learn (before its commit: a free drafter's offer is that of
     the context the round drafted after)."""
     proposal, free = rnd.proposal, req.drafter.free
-    return RoundReport(verified=len(proposal.tokens), accepted=n, outside=proposal.outside > 0,
+    verified, accepted, forced = len(proposal.tokens), n, 0
+    if proposal.grammar is not None:  # the drafter's tokens, and the forced ones committed beside them
+        verified = proposal.grammar.drafted
+        accepted, forced = proposal.grammar.split(n)
+    return RoundReport(verified=verified, accepted=accepted, outside=proposal.outside > 0,
                        key=proposal.draft.key if proposal.draft is not None else None, ahead=rnd.ahead,
-                       offered=free, offer_key=req.drafter.offer_key(req.history) if free else None)
+                       offered=free, offer_key=req.drafter.offer_key(req.history) if free else None,
+                       forced=forced)
 
 
 def _commit(req: _Request, rnd: _Round, n: int, nxt: int) -> List[int]:
     """Commit: keep [pending] + the n accepted drafts in the cache (the forward appended g+1 tokens: roll back
-    g - n), append them and nxt to the history (nxt becomes pending), tell the drafter. Returns the n + 1
-    committed tokens."""
+    g - n), append them and nxt to the history (nxt becomes pending), leave the grammar after them, record
+    their logprobs (raw rows 0..n), tell the drafter. Returns the n + 1 committed tokens."""
     tokens = rnd.proposal.tokens
     committed = tokens[:n] + [nxt]
     _trim(req.cache, len(tokens) - n)
+    if rnd.proposal.grammar is not None:
+        req.forced_left = grammar_commit(req.grammar, rnd.proposal.grammar, n, nxt)
+    elif req.grammar is not None:  # a round with no draft built under the grammar (none is launched ahead)
+        raise RuntimeError("a constrained round without a constrained draft")
+    if req.logprobs is not None:
+        req.logprobs.add(rnd.logits[: n + 1], committed)
     req.history.extend(committed)
     if req.taps is None:
         req.drafter.update(n, committed)

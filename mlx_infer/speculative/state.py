@@ -16,7 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_VERIFY_WIDTH
 from ..errors import MlxInferError
 from ..generation.compiled import CompiledDecode, module_fingerprint
+from ..generation.logprobs import LogprobQueue
 from ..generation.sampling import SamplingParams
+from ..structured.grammar import GrammarState
 from .calibrate import drafter_prior
 from .cost import CostCurve, cost_curve
 from .drafters.base import Drafter
@@ -229,14 +231,17 @@ class SpecState:
 
     def tokens(self, prompt_ids: List[int], params: SamplingParams, max_tokens: int, options: SpecOptions,
                stats: SpecStats, cache: list, start: int = 0,
-               progress: Optional[Callable[[int, int], None]] = None) -> Optional[Iterator[int]]:
+               progress: Optional[Callable[[int, int], None]] = None, *, grammar: Optional[GrammarState] = None,
+               logprobs: Optional[LogprobQueue] = None) -> Optional[Iterator[int]]:
         """The speculative token iterator of one request (the same tokens as plain decoding when greedy, the
         same distribution when sampling), or None when the request is to decode plainly (auto on a cache
         that cannot roll back; a policy that finds speculation cannot pay): stats.mode is then "off".
 
         Args:
             prompt_ids: the whole prompt; cache: the target's per-layer caches, holding prompt_ids[:start]
-                (loop.speculative_tokens).
+                (loop.speculative_tokens); grammar, logprobs: the request's GrammarState and LogprobQueue
+                (None: unconstrained / no logprobs), see loop.speculative_tokens: speculation stays on under a
+                grammar (auto may still find it cannot pay), its forced tokens join the drafts.
 
         Raises:
             MlxInferError: the cache cannot roll back (modes other than auto), or a drafter that cannot load.
@@ -255,5 +260,6 @@ class SpecState:
             stats.mode = "off"
             return None
         return speculative_tokens(self.target.model, prompt_ids, params, max_tokens, drafter, policy, stats,
-                                  cache=cache, start=start, progress=progress, compiled=self.forward())
+                                  cache=cache, start=start, progress=progress, compiled=self.forward(),
+                                  grammar=grammar, logprobs=logprobs)
 

@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..generation.sampling import SamplingParams, sampler_input
 from ..kernels.prefill_attention import causal_softmax
+from ..structured.mask import apply_masks
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -37,6 +38,7 @@ def process_logits(
     draft: Sequence[int],
     params: SamplingParams,
     processors: Optional[List[LogitsProcessor]] = None,
+    masks: Optional[Sequence] = None,
 ) -> mx.array:
     """The target's processed log-probabilities at every verified position, as plain decoding computes them.
 
@@ -48,6 +50,9 @@ def process_logits(
         processors: mlx-lm logits processors (tokens [T], logits [1, V]) -> logits [1, V], looking back at most
             params.repetition_context_size tokens; position i sees the tail of history + draft[:i], as plain
             decoding would after accepting draft[:i].
+        masks: the grammar's allowed-token bitmasks, one per row (structured.mask: int32 [ceil(V / 32)] or
+            None), applied after the processors and before the top-p / min-p / top-k chain and temperature,
+            where plain constrained decoding applies its mask; None: unconstrained.
 
     Returns:
         [g+1, V] float32 log-weights: for greedy (temperature 0) the processed logits themselves (argmax gives
@@ -69,6 +74,8 @@ def process_logits(
                 row = proc(context[: len(tail) + i], row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    if masks is not None:
+        logits = apply_masks(logits, masks)  # refused tokens -inf
     if params.greedy:
         return logits
     logprobs = sampler_input(logits, params)  # [g+1, V], what plain decoding's sampler is given

@@ -95,6 +95,9 @@ class GrammarState:
         self.vocab = vocab
         self.forced_spans = forced_spans
         self._pending: Optional[Future] = None
+        # per consumed token: whether the matcher recorded it for rollback (one consumed once the grammar has
+        # stopped, end-of-sequence, is not: llguidance's rollback then counts one token fewer)
+        self._recorded: List[bool] = []
 
     def _fill(self) -> np.ndarray:
         out = allocate_token_bitmask(1, self.vocab)
@@ -124,22 +127,31 @@ class GrammarState:
         """
         self._settle()
         for token in tokens:
+            stopped = self._m.is_stopped()
             if not self._m.consume_token(int(token)):
                 raise ConstraintError(f"token {token} is not allowed by the grammar here: "
                                       f"{_one_line(self._m.get_error())}", None)
+            self._recorded.append(not stopped)
 
     def accepted(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the grammar accepts (the state is unchanged)."""
         self._settle()
-        n = self._m.try_consume_tokens([int(t) for t in tokens])
-        self._m.rollback(n)
+        n = recorded = 0
+        for token in tokens:
+            stopped = self._m.is_stopped()
+            if self._m.try_consume_tokens([int(token)]) != 1:
+                break
+            n += 1
+            recorded += not stopped
+        self._m.rollback(recorded)
         return n
 
     def rollback(self, n: int) -> None:
-        """Undo the last n consumed tokens."""
+        """Undo the last n consumed tokens (n <= the tokens consumed)."""
         self._settle()
         if n:
-            self._m.rollback(n)
+            undone, self._recorded = self._recorded[-n:], self._recorded[:-n]
+            self._m.rollback(sum(undone))
 
     def forced(self) -> List[int]:
         """The tokens the grammar forces from here, in their canonical tokenization ([] when forced_spans is
