@@ -118,6 +118,12 @@ def test_chat_logprobs_equal_an_independent_log_softmax(server, reference, respo
             assert abs(alt.logprob - logp[j, token_id].item()) <= LOGPROB_TOL
         if response_format is None:  # greedy without a mask: the chosen token is the most likely one
             assert abs(entry.top_logprobs[0].logprob - entry.logprob) <= LOGPROB_TOL
+    streamed = [e for ch in client(url).chat.completions.create(model="m", messages=messages, max_tokens=10,
+                                                                logprobs=True, top_logprobs=5, stream=True, **extra)
+                for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # (the prompt's KV now from the prefix cache)
+    for got, want in zip(streamed, content):
+        assert abs(got.logprob - want.logprob) <= LOGPROB_TOL and len(got.top_logprobs) == 5
 
 
 def test_completions_legacy_logprobs(server, reference):
