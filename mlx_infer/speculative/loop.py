@@ -166,6 +166,8 @@ class _Request:
         produced: tokens delivered to the consumer.
         ahead: a plain round launched before the previous round was read back, or None.
         forced_left: forced tokens the previous round's draft left for this one (constrained.commit).
+        grammar_mark: (the grammar's consumed count before the last round's commit, that round's committed
+            count), to leave the grammar after the tokens delivered when the request stops mid-round.
     """
 
     model: nn.Module
@@ -189,6 +191,7 @@ class _Request:
     produced: int = 0
     ahead: Optional[_Round] = None
     forced_left: List[int] = field(default_factory=list)
+    grammar_mark: Tuple[int, int] = (0, 0)
 
 
 def speculative_tokens(
@@ -464,6 +467,7 @@ def _commit(req: _Request, rnd: _Round, n: int, nxt: int) -> List[int]:
     committed = tokens[:n] + [nxt]
     _trim(req.cache, len(tokens) - n)
     if rnd.proposal.grammar is not None:
+        req.grammar_mark = (req.grammar.consumed - len(tokens), len(committed))  # the draft is consumed
         req.forced_left = grammar_commit(req.grammar, rnd.proposal.grammar, n, nxt)
     elif req.grammar is not None:  # a round with no draft built under the grammar (none is launched ahead)
         raise RuntimeError("a constrained round without a constrained draft")
@@ -497,6 +501,10 @@ def _deliver(req: _Request, committed: List[int]) -> Iterator[int]:
 def _keep_delivered(req: _Request, undelivered: int) -> None:
     """The request ends with `undelivered` of its last round's tokens not delivered: drop them from the cache
     (and the round launched ahead, if any) so that it holds the tokens delivered, the last one pending, and
-    from the stats' committed count."""
+    from the stats' committed count; the grammar is left after the tokens delivered (a batch takes a lone
+    request back from speculative decoding this way and goes on with its grammar)."""
     _trim(req.cache, undelivered + (req.ahead is not None))
+    if req.grammar is not None and undelivered:
+        base, committed = req.grammar_mark
+        req.grammar.rollback(max(0, req.grammar.consumed - (base + committed - undelivered)))
     req.stats.undeliver(undelivered)

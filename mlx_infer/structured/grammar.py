@@ -153,6 +153,11 @@ class GrammarState:
             undone, self._recorded = self._recorded[-n:], self._recorded[:-n]
             self._m.rollback(sum(undone))
 
+    @property
+    def consumed(self) -> int:
+        """Tokens consumed since the start (an end-of-sequence token after the grammar stopped included)."""
+        return len(self._recorded)
+
     def forced(self) -> List[int]:
         """The tokens the grammar forces from here, in their canonical tokenization ([] when forced_spans is
         off, or when the next token is a choice). Not consumed."""

@@ -239,3 +239,22 @@ def test_rollback_over_an_end_of_sequence(engine):
     state.rollback(2)  # EOS and "!"
     assert state.accepted(tok.encode(".", add_special_tokens=False)) == 1
     assert not allows(state.mask(), eos, grammars.vocab)
+
+
+@pytest.mark.parametrize("stop_after", [3, 7, 12])
+def test_closing_mid_round_leaves_the_grammar_after_the_tokens_delivered(engine, stop_after):
+    """A consumer that stops mid-round (a batch taking a lone request back) finds the grammar after exactly the
+    tokens it received: the next forced tokens and mask are those of a grammar fed those tokens alone."""
+    schema, text = CASES[0]
+    grammars = engine.grammars
+    compiled = grammars.compile(json_schema(schema))
+    state = grammars.state(compiled, True)
+    tokens = speculative_tokens(engine.model, chat(engine, text), SamplingParams(), 48, LookupDrafter(), 8,
+                                SpecStats(), grammar=state)
+    got = [t for _, t in zip(range(stop_after), tokens)]
+    tokens.close()
+    fresh = grammars.state(compiled, True)
+    fresh.consume(got)
+    assert state.consumed == stop_after
+    assert state.forced() == fresh.forced()
+    assert np.array_equal(state.mask(), fresh.mask())
