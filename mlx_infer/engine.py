@@ -26,6 +26,7 @@ from .generation.request import Decoding, Request, check_evict, run_request, sam
 from .generation.results import GenerationResult, GenerationStats, GenerationStep, collect
 from .generation.sampling import SamplingParams
 from .generation.serial import Serializer
+from .generation.structured_request import Structured, structured_options
 from .kv.attention_hook import install as install_attention_hook
 from .kv.defaults import BLOCK_SIZE, KIVI_RESIDUAL
 from .kv.pool import BlockPool
@@ -37,6 +38,8 @@ from .rmm.options import Retention
 from .speculative import DraftModel, SpecOptions, SpecState, Target
 from .speculative.registry import target_names
 from .speculative.target import measurement_key, output_vocab
+from .structured.grammar import Grammars
+from .tools import plan_tools
 
 #: What `draft_model` takes: a model path or repo id, an Engine, or an mlx-lm model (None: none, or the
 #: registered drafter).
@@ -78,8 +81,24 @@ class Engine:
         self._compiled: Optional[CompiledSteps] = None  # the model's compiled one-token steps (made on first use)
         self._serial = Serializer()  # one request at a time (a stream: until it ends or is closed)
         self._aio = AsyncRunner(self.batch_runner)  # agenerate / astream's runner, started on first use
+        self._grammars: Optional[Grammars] = None  # (built on first use: `grammars`)
         install_attention_hook(self.model)  # the kernels' attention: prefill tiles, quantized KV, RMM products
         self.configure_kv(kv_cache, kv_budget, block_size, **kv_quant_options)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The model's Grammars (structured generation's constraint compiler), built on first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
+
+    def _structured(self, response_format: Any = None, tools: Any = None, tool_choice: Any = None,
+                    parallel_tool_calls: bool = True, logprobs: Optional[int] = None,
+                    forced_spans: bool = True) -> Structured:
+        """A request's structured-generation options checked (generation/structured_request.py). Raises
+        ConstraintError / RequestError naming the bad field."""
+        plan = plan_tools(self.tokenizer, tools, tool_choice, parallel_tool_calls, self.grammars)
+        return structured_options(lambda: self.grammars, response_format, logprobs, forced_spans, plan)
 
     def compiled_steps(self) -> CompiledSteps:
         """The model's compiled one-token steps (generation/compiled.py), kept across requests while its
@@ -141,13 +160,15 @@ class Engine:
         """The model's context window, tokens."""
         return int(self.config.get("max_position_embeddings") or self.config.get("text_config", {}).get("max_position_embeddings", 4096))
 
-    def encode_fitting(self, prompt: Prompt, system: Optional[str] = None, chat_template: bool = True) -> List[int]:
-        """`encode`, and check that at least one token fits after the prompt in the context window.
+    def encode_fitting(self, prompt: Prompt, system: Optional[str] = None, chat_template: bool = True,
+                       tools: Any = None) -> List[int]:
+        """`encode`, and check that at least one token fits after the prompt in the context window (tools: the
+        request's ToolPlan, rendered with the prompt).
 
         Raises:
             MlxInferError: as `encode`, or a prompt that fills the context window.
         """
-        return self._prompts.fitting(prompt, self.context_length, system, chat_template)
+        return self._prompts.fitting(prompt, self.context_length, system, chat_template, tools)
 
     def encode(self, prompt: Prompt, system: Optional[str] = None, chat_template: bool = True) -> List[int]:
         """Prompt token ids: a string (through the chat template unless chat_template is False or the model
@@ -169,7 +190,10 @@ class Engine:
     def stream_steps(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                      chat_template: bool = True, speculative: str = "off", draft_model: DraftModelArg = None,
                      max_draft: Union[str, int] = "auto", progress: Optional[Callable[[int, int], None]] = None,
-                     evict: Optional[str] = None, repack: bool = True, **sampling: Any) -> Iterator[GenerationStep]:
+                     evict: Optional[str] = None, repack: bool = True, response_format: Any = None,
+                     tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
+                     logprobs: Optional[int] = None, forced_spans: bool = True,
+                     **sampling: Any) -> Iterator[GenerationStep]:
         """Generate, yielding a GenerationStep per token; the last one carries finish_reason and stats.
         Details: docs/api.md#generating.
 
@@ -180,21 +204,30 @@ class Engine:
             max_draft: draft tokens per round, an int >= 0 or "auto".
             progress: callable(done, total) during prefill, prompt tokens.
             evict: "POLICY:RATIO" (paged cache only); repack: vToken (True) or Naive-Evict (False).
+            response_format: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema",
+                "json_schema": {"schema": ...}}) or a structured.Constraint: the output matches it.
+            tools, tool_choice, parallel_tool_calls: OpenAI function tools; the final step's tool_calls.
+            logprobs: None, or 0..20 alternatives per token: each step's `logprob`.
+            forced_spans: commit the grammar's forced tokens without sampling (jump-forward decoding).
 
         Calls from several threads are serialized (the request holds the engine until its last step).
 
         Raises:
             MlxInferError: bad parameters or prompt, a prompt that fills the context window, a draft_model
-                for a mode that uses none, a bad evict; KVBudgetError: the request cannot fit the KV budget;
+                for a mode that uses none, a bad evict; ConstraintError: a bad response_format or tools (an
+                unsupported schema keyword named); KVBudgetError: the request cannot fit the KV budget;
                 EngineBusyError: a stream of this engine started on the same thread is still open.
         """
         with self._serial.held():
             params = sampling_params(params, sampling, self.vocab_size)
             options = self._spec_options(speculative, draft_model, max_draft)
             eviction = check_evict(evict, repack, options, self.model, self._store.evicts)
-            prompt_ids = self.encode_fitting(prompt, system, chat_template)
+            structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls, logprobs,
+                                          forced_spans)
+            prompt_ids = self.encode_fitting(prompt, system, chat_template, structured.tools)
             max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
-            request = Request(prompt_ids, params, max_tokens, options, progress, eviction, repack)
+            request = Request(prompt_ids, params, max_tokens, options, progress, eviction, repack,
+                              structured.grammar(self.grammars), structured.queue(), structured.tools)
             # (mlx-lm's generation_stream is a thread-local stream, not the Stream its annotation names)
             with wired_limit(self.model, [generation_stream]):  # type: ignore[list-item]
                 yield from run_request(self._decoding(), request)
@@ -231,14 +264,16 @@ class Engine:
 
     def batch_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                       chat_template: bool = True, speculative: str = "off", evict: Optional[str] = None,
-                      repack: bool = True, emit: Optional[Emit] = None, **sampling: Any) -> BatchRequest:
+                      repack: bool = True, emit: Optional[Emit] = None, response_format: Any = None,
+                      tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
+                      logprobs: Optional[int] = None, forced_spans: bool = True, **sampling: Any) -> BatchRequest:
         """A request for `BatchRunner.submit`, built and checked on the caller's thread (any thread): the
         prompt encoded once, the parameters checked as `stream_steps`'. Details:
         docs/api.md#preparing-and-lower-level-pieces.
 
         Raises:
-            RequestError: a bad prompt (param "prompt") or sampling parameter (param: the field);
-                MlxInferError: a bad speculative mode or evict.
+            RequestError: a bad prompt (param "prompt") or sampling parameter (param: the field), or structured
+                option (ConstraintError; as `stream_steps`); MlxInferError: a bad speculative mode or evict.
         """
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}", "params")
@@ -246,10 +281,14 @@ class Engine:
         options = self._spec_options(speculative, None, "auto")
         eviction = check_evict(evict, repack, options, self.model)  # on the batch's paged pool, whatever the store
         options = options if eviction is None else self._spec_options("off", None, "auto")
-        prompt_ids = prompt_request(lambda: self.encode_fitting(prompt, system, chat_template))
+        structured = self._structured(response_format, tools, tool_choice, parallel_tool_calls, logprobs,
+                                      forced_spans)
+        prompt_ids = prompt_request(lambda: self.encode_fitting(prompt, system, chat_template, structured.tools))
         max_tokens = min(params.max_tokens, self.context_length - len(prompt_ids))
         return BatchRequest(prompt_ids, params, max_tokens, copy.copy(self._detokenizer),
-                            self.tokenizer.eos_token_ids, emit, options, self.source.rmm, eviction, repack)
+                            self.tokenizer.eos_token_ids, emit, options, self.source.rmm, eviction, repack,
+                            grammar=structured.grammar(self.grammars), logprobs=structured.queue(),
+                            tools=structured.tools)
 
     def scheduler(self, max_batch: int = MAX_BATCH, prefix_cache: bool = True) -> BatchScheduler:
         """A BatchScheduler over this engine's block pool (drops the kept KV cache).
@@ -291,7 +330,9 @@ class Engine:
     def generate_batch(self, prompts: Sequence[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                        *, system: Optional[str] = None, chat_template: bool = True, max_batch: int = MAX_BATCH,
                        prefix_cache: bool = True, speculative: str = "off", evict: Optional[str] = None,
-                       repack: bool = True, **sampling: Any) -> List[GenerationResult]:
+                       repack: bool = True, response_format: Any = None, tools: Any = None, tool_choice: Any = None,
+                       parallel_tool_calls: bool = True, logprobs: Optional[int] = None, forced_spans: bool = True,
+                       **sampling: Any) -> List[GenerationResult]:
         """Generate answers to several prompts decoding together (continuous batching).
         Details: docs/api.md#generating.
 
@@ -299,7 +340,8 @@ class Engine:
             prompts: each as `encode` takes it. params: one SamplingParams, one per prompt, or None.
             max_batch: most requests decoding at once. prefix_cache: reuse earlier requests' full KV blocks.
             speculative: a mode of `stream_steps`, used by a request while it runs alone.
-            evict, repack: as `stream_steps`, for every request.
+            evict, repack, response_format, tools, tool_choice, parallel_tool_calls, logprobs, forced_spans:
+                as `stream_steps`, for every request.
 
         Returns:
             one GenerationResult per prompt, in order; no prompts, [].
@@ -309,8 +351,13 @@ class Engine:
                 prompts; KVBudgetError: a request that can never fit the KV budget; EngineBusyError: as
                 `stream_steps`.
         """
-        ids, each = batch_inputs(prompts, params, sampling, lambda p: self.encode_fitting(p, system, chat_template))
+        structured = dict(response_format=response_format, tools=tools, tool_choice=tool_choice,
+                          parallel_tool_calls=parallel_tool_calls, logprobs=logprobs, forced_spans=forced_spans)
+        plan = self._structured(**structured).tools  # checked before any decoding
+        ids, each = batch_inputs(prompts, params, sampling,
+                                 lambda p: self.encode_fitting(p, system, chat_template, plan))
         with self._serial.held():
             return run_collected(self.scheduler(max_batch, prefix_cache),
                                  lambda i, p, emit: self.batch_request(i, p, speculative=speculative, evict=evict,
-                                                                       repack=repack, emit=emit), ids, each)
+                                                                       repack=repack, emit=emit, **structured),
+                                 ids, each)

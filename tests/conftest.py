@@ -128,7 +128,8 @@ def fake_tokens(monkeypatch):
     calls = []
 
     def install(ids: List[int]):
-        def plain_tokens(model, prompt_ids, params, max_tokens, cache=None, start=0, progress=None, compiled=None):
+        def plain_tokens(model, prompt_ids, params, max_tokens, cache=None, start=0, progress=None, compiled=None,
+                         grammar=None, logprobs=None):
             calls.append((list(prompt_ids), max_tokens))
             for i, t in enumerate(ids):
                 if i >= max_tokens:

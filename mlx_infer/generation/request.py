@@ -25,9 +25,11 @@ from ..kv.quant_cache import kv_bytes_per_token
 from ..kv.store import KVStore, Tracked
 from ..rmm.attention import reduced_products
 from ..speculative import SpecOptions, SpecState, SpecStats
+from ..structured.grammar import GrammarState
 from .assemble import StepAssembler
 from .compiled import CompiledSteps
 from .decode import plain_tokens
+from .logprobs import LogprobQueue
 from .results import GenerationStats, GenerationStep
 from .sampling import SamplingParams
 
@@ -70,6 +72,9 @@ class Request:
         options: speculative decoding (SpecOptions; mode "off": plain decoding).
         progress: callable(done, total) during prefill, prompt tokens.
         evict: token eviction (EvictSpec; None: none; check_evict), with vToken repacking or Naive-Evict.
+        grammar: the output's GrammarState (None: unconstrained; generation/structured_request.py builds it).
+        logprobs: the LogprobQueue the token source fills (None: no logprobs).
+        tools: the request's ToolPlan (None: no tools): the final step carries the calls parsed from the text.
     """
 
     prompt_ids: List[int]
@@ -79,6 +84,9 @@ class Request:
     progress: Optional[Callable[[int, int], None]] = None
     evict: Optional[EvictSpec] = None
     repack: bool = True
+    grammar: Optional[GrammarState] = None
+    logprobs: Optional[LogprobQueue] = None
+    tools: Any = None
 
 
 def sampling_params(params: Optional[SamplingParams], overrides: Dict[str, Any], vocab_size: int) -> SamplingParams:
@@ -126,11 +134,14 @@ def _token_source(run: Decoding, req: Request, cache: list, cached: int,
     if spec is not None and req.evict is not None:
         spec.mode = "off"  # speculative="auto" with eviction: plain decoding (not supported together yet)
     elif spec is not None:
+        # (grammar / logprobs passed only when set: speculative decoding takes them as keyword arguments)
+        structured = {name: value for name, value in (("grammar", req.grammar), ("logprobs", req.logprobs))
+                      if value is not None}
         tokens = run.spec.tokens(req.prompt_ids, req.params, req.max_tokens, req.options, spec, cache, cached,
-                                 req.progress)
+                                 req.progress, **structured)
     if tokens is None:
         tokens = plain_tokens(run.model, req.prompt_ids, req.params, req.max_tokens, cache, cached, req.progress,
-                              compiled=run.compiled().decode)
+                              compiled=run.compiled().decode, grammar=req.grammar, logprobs=req.logprobs)
     return tokens
 
 
@@ -170,6 +181,7 @@ def run_request(run: Decoding, req: Request) -> Iterator[GenerationStep]:
     cache, cached, tracked, tokens = _open(run, req, spec)
     first_at: Optional[float] = None
     delivered: List[int] = []  # every token the source gave, EOS included (what the cache may hold)
+    texts: List[str] = []  # the text delivered (kept for a ToolPlan's parse)
     clean = False
     try:
         with tracked, reduced_products(**run.products):
@@ -180,7 +192,9 @@ def run_request(run: Decoding, req: Request) -> Iterator[GenerationStep]:
                 text = asm.add(token)
                 if text is None:
                     break
-                yield GenerationStep(text, token)
+                logprob = req.logprobs.take() if req.logprobs is not None else None
+                texts.append(text)
+                yield GenerationStep(text, token, logprob=logprob)
         clean = True
     except GeneratorExit:  # the consumer stopped: the token source rolls its cache back to `delivered`
         clean = True
@@ -196,7 +210,19 @@ def run_request(run: Decoding, req: Request) -> Iterator[GenerationStep]:
     end = time.perf_counter()
     held_text, held_token, finish = asm.final()
     stats = _stats(run, req, cached, asm.n, start, first_at or end, end, kv_stats, token_bytes, spec)
-    yield GenerationStep(held_text, held_token, finish_reason=finish, stats=stats)
+    logprob = req.logprobs.take() if req.logprobs is not None and held_token is not None else None
+    final = GenerationStep(held_text, held_token, finish_reason=finish, stats=stats, logprob=logprob)
+    yield with_tool_calls(final, req.tools, "".join(texts) + held_text) if req.tools is not None else final
+
+
+def with_tool_calls(final: GenerationStep, plan: Any, text: str) -> GenerationStep:
+    """The final step of a request with tools: its calls parsed from the whole text (ToolPlan.parse), and
+    finish_reason "tool_calls" when the model made any."""
+    _, calls = plan.parse(text)
+    if calls:
+        final.tool_calls = list(calls)
+        final.finish_reason = "tool_calls"
+    return final
 
 
 def _stats(run: Decoding, req: Request, cached: int, n: int, start: float, first_at: float, end: float,
