@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, categorical_sampling, make_logits_processors,
+                                 make_sampler)
 
-from ..defaults import MAX_TOKENS
+from ..defaults import MAX_TOKENS, TOP_P_CANDIDATES
 from ..errors import RequestError
 
 
@@ -131,10 +132,70 @@ class SamplingParams:
 
 def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """mlx-lm's sampler for these parameters: logprobs [B, V] float (or logits: see sampler_input) -> token ids
-    [B] uint32."""
-    return make_sampler(
-        temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
-    )
+    [B] uint32. With top-p, mlx-lm's filters in its order (top_p, min_p, top_k) and its categorical draw, the
+    top-p one `top_p_filter` (the same kept tokens, without sorting the vocabulary)."""
+    if params.greedy or not 0 < params.top_p < 1.0:
+        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    rest = make_sampler(temp=params.temperature, min_p=params.min_p, top_k=params.top_k)  # min_p, top_k, draw
+
+    def sample(logprobs: mx.array) -> mx.array:
+        return rest(top_p_filter(logprobs, params.top_p))
+
+    return sample
+
+
+@mx.compile
+def _nucleus(logprobs: mx.array, candidates: mx.array, top_p: mx.array) -> tuple:
+    """The top-p threshold among candidates (the K most likely tokens, logprobs [B, K] in any order) of
+    logprobs [B, V]: (threshold [B, 1], exact [B] bool: whether it is apply_top_p's).
+
+    apply_top_p compares the cumulative masses with top_p times the vocabulary's mass summed one token at a time
+    in float32, most likely first. The candidates' part of that sum is added the same way here (`head`); each
+    further (smaller) token then moves the running sum by its mass rounded to the float32 spacing of the sum's
+    binade: u in head's, 2u once the sum crosses into the next. Without sorting them it is not known which
+    tokens come after that crossing, so the total is bounded by taking for each token the smaller and the
+    larger of its two roundings (plus 2u for the crossing token and the bounds' own rounding): exact where both
+    bounds keep the same candidates. Not exact either (fall back to the sort): a token that ties the least likely
+    candidate, candidates whose mass does not reach top_p, a total beyond the next binade."""
+    ranked = mx.sort(candidates, axis=-1)[..., ::-1]  # [B, K], most likely first
+    probs = mx.exp(ranked.astype(mx.float32))
+    above = mx.cumsum(probs, axis=-1, inclusive=False)  # mass of the more likely candidates
+    head = above[..., -1:] + probs[..., -1:]  # [B, 1], the candidates' float32 running sum
+    exponent = mx.floor(mx.log2(head))
+    exponent = mx.where(mx.power(2.0, exponent) > head, exponent - 1, exponent)
+    exponent = mx.where(mx.power(2.0, exponent + 1) <= head, exponent + 1, exponent)
+    unit = mx.power(2.0, exponent - 23)  # [B, 1], float32 spacing in head's binade
+    tail = logprobs < ranked[..., -1:]  # [B, V], the tokens after the candidates
+    scaled = mx.where(tail, mx.exp(logprobs.astype(mx.float32)) / unit, 0.0)  # masses in units u
+    fine_lo, fine_hi = mx.ceil(scaled - 0.5), mx.floor(scaled + 0.5)  # rounded to u (ties either way)
+    coarse_lo, coarse_hi = 2 * mx.ceil(scaled / 2 - 0.5), 2 * mx.floor(scaled / 2 + 0.5)  # rounded to 2u
+    low = mx.minimum(fine_lo, coarse_lo).astype(mx.int32).sum(axis=-1, keepdims=True) - 2
+    high = mx.maximum(fine_hi, coarse_hi).astype(mx.int32).sum(axis=-1, keepdims=True) + 2
+    target_lo = top_p * (head + low.astype(mx.float32) * unit)
+    target_hi = top_p * (head + high.astype(mx.float32) * unit)
+    kept = (above < target_lo).sum(axis=-1, keepdims=True)  # >= 1
+    threshold = mx.take_along_axis(ranked, kept - 1, axis=-1)
+    whole = tail.sum(axis=-1) == logprobs.shape[-1] - candidates.shape[-1]  # no token ties the last candidate
+    exact = ((above < target_hi).sum(axis=-1) == kept[..., 0]) & (head[..., 0] >= target_hi[..., 0]) & whole & \
+        (head[..., 0] + high[..., 0].astype(mx.float32) * unit[..., 0] < mx.power(2.0, exponent[..., 0] + 2))
+    return threshold, exact
+
+
+def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
+    """mlx-lm's apply_top_p (logprobs [B, V] -> the same with the tokens outside the nucleus at -inf: the fewest
+    most likely tokens whose mass reaches top_p, ties with the last one included), from a partial selection of
+    the TOP_P_CANDIDATES most likely tokens (mx.argpartition) instead of a sort of the whole vocabulary; the
+    full sort (apply_top_p) only where those do not reach top_p or the result would not be exactly
+    apply_top_p's (see _nucleus). Evaluates (whether the partial selection suffices)."""
+    vocab = logprobs.shape[-1]
+    if TOP_P_CANDIDATES >= vocab:
+        return apply_top_p(logprobs, top_p)
+    part = mx.argpartition(-logprobs, kth=TOP_P_CANDIDATES - 1, axis=-1)[..., :TOP_P_CANDIDATES]
+    candidates = mx.take_along_axis(logprobs, part, axis=-1)
+    threshold, exact = _nucleus(logprobs, candidates, mx.array(top_p, dtype=mx.float32))
+    if not bool(mx.all(exact).item()):
+        return apply_top_p(logprobs, top_p)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
 
 
 def pick_token(logits: mx.array, params: SamplingParams, sampler: Callable[[mx.array], mx.array]) -> mx.array:
@@ -173,7 +234,7 @@ def build_keyed_sampler(params: SamplingParams) -> Callable[[mx.array, mx.array]
         if params.greedy:
             return mx.argmax(logprobs, axis=-1), key
         if 0 < params.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, params.top_p)
+            logprobs = top_p_filter(logprobs, params.top_p)
         if params.min_p != 0.0:
             logprobs = apply_min_p(logprobs, params.min_p)
         if params.top_k > 0:
