@@ -5,7 +5,7 @@ log-softmax computed here from mlx-lm's forward of the same tokens; n choices wi
 
 import json
 from enum import Enum
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import httpx
 import jsonschema
@@ -38,7 +38,7 @@ class Person(BaseModel):
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=120)
     favorite_color: Color
-    hobbies: List[str] = Field(min_length=1, max_length=3)
+    hobbies: List[Annotated[str, Field(max_length=20)]] = Field(min_length=1, max_length=3)
     address: Address
     nickname: Optional[str] = Field(default=None, max_length=12)
 
@@ -66,6 +66,7 @@ def test_parse_returns_a_parsed_object_every_time(server, prompt):
     assert isinstance(choice.message.parsed, Person)
     jsonschema.validate(json.loads(choice.message.content), Person.model_json_schema())
     assert 1 <= len(choice.message.parsed.hobbies) <= 3 and len(choice.message.parsed.address.zip_code) == 5
+    assert all(len(h) <= 20 for h in choice.message.parsed.hobbies)
 
 
 def test_parse_sampled_with_a_seed_and_streamed_equals_whole(server):
