@@ -20,6 +20,7 @@ from .options import (
     BlockSizeOpt, ChatKVCacheOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
     RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
+    FormatOpt, GrammarOpt, JsonSchemaOpt, NoForcedSpansOpt, RegexOpt, constraint_kwargs,
 )
 from .progress import PrefillBar, isatty, load_engine, prepare_speculation, stderr
 from .stats import print_stats
@@ -180,6 +181,11 @@ def chat(
     kv_scheme: KVSchemeOpt = "affine",
     kv_quant_start: KVQuantStartOpt = "0",
     rmm: RmmOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
+    fmt: FormatOpt = None,
+    no_forced_spans: NoForcedSpansOpt = False,
     stats: bool = typer.Option(False, "--stats", help="Print stats of each answer to stderr."),
     verbose: VerboseOpt = False,
 ) -> None:
@@ -192,6 +198,7 @@ def chat(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
+        structured = constraint_kwargs(json_schema, regex, grammar, fmt, no_forced_spans)
         kv_options, kv_request, chosen = chat_kv(kv_cache, speculative, kv_budget, evict, repack, block_size,
                                                  kv_bits, kv_scheme, kv_quant_start)
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
@@ -205,7 +212,9 @@ def chat(
         if not engine.tokenizer.has_chat_template:
             raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
                        "use `mlx-infer generate --no-chat-template` with it")
+        if structured:  # every answer follows the constraint: checked before the first turn
+            engine.grammars.compile(structured["response_format"])
         if not kv_request:  # with eviction a speculative "auto" decodes plainly: nothing to measure
             prepare_speculation(engine, speculative)
         ChatSession(engine, params, system, stats, verbose, interactive=isatty(),
-                    speculative={**speculative, **kv_request}).run()
+                    speculative={**speculative, **kv_request, **structured}).run()

@@ -12,6 +12,7 @@ from .options import (
     BlockSizeOpt, DraftModelOpt, EvictOpt, KVBitsOpt, KVBudgetOpt, KVCacheOpt, KVQuantStartOpt, KVSchemeOpt, MaxDraftOpt, RepackOpt, MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, SpecOpt,
     StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
     RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
+    FormatOpt, GrammarOpt, JsonSchemaOpt, NoForcedSpansOpt, RegexOpt, constraint_kwargs,
 )
 from .progress import PrefillBar, load_engine, prepare_speculation
 from .stats import print_stats
@@ -58,6 +59,11 @@ def generate(
     kv_scheme: KVSchemeOpt = "affine",
     kv_quant_start: KVQuantStartOpt = "0",
     rmm: RmmOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
+    fmt: FormatOpt = None,
+    no_forced_spans: NoForcedSpansOpt = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print timing and memory stats to stderr.")] = False,
@@ -70,6 +76,7 @@ def generate(
     with user_errors(verbose):
         params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
         speculative = spec_kwargs(spec, draft_model, max_draft)
+        structured = constraint_kwargs(json_schema, regex, grammar, fmt, no_forced_spans)
         kv_options, kv_request = kv_kwargs(kv_cache, kv_budget, evict, repack, block_size, speculative,
                                            kv_bits, kv_scheme, kv_quant_start)
         if system and no_chat_template:
@@ -78,12 +85,14 @@ def generate(
         engine = load_engine(model, weights.value, verbose, check_rmm(rmm))
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
-        # tokenized once; a bad prompt fails before any measuring
+        # tokenized once; a bad prompt fails before any measuring, a bad constraint too
         prompt_ids = engine.encode_fitting(text, system, not no_chat_template)
+        if structured:
+            engine.grammars.compile(structured["response_format"])
         if not kv_request:  # with eviction a speculative "auto" decodes plainly: nothing to measure
             prepare_speculation(engine, speculative)
         bar = PrefillBar()
-        kwargs = dict(progress=bar, **speculative, **kv_request)
+        kwargs = dict(progress=bar, **speculative, **kv_request, **structured)
         if as_json:
             result = engine.generate(prompt_ids, params, **kwargs)
             out = {"model": engine.source.name, **result.to_dict()}

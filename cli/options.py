@@ -28,6 +28,7 @@ MODEL = "Model"
 SPEC = "Speculative decoding"
 KV = "KV cache"
 RMM = "Reduced matmul"
+STRUCTURED = "Structured output"
 
 
 class Weights(str, Enum):
@@ -69,6 +70,22 @@ StopOpt = Annotated[Optional[List[str]], typer.Option(
     help="Stop when this string appears (not printed); \\n and \\t are newline and tab. Repeatable.")]
 SystemOpt = Annotated[Optional[str], typer.Option(
     "--system", "-s", help="System prompt (needs the model's chat template).")]
+JsonSchemaOpt = Annotated[Optional[str], typer.Option(
+    "--json-schema", metavar="FILE|JSON", rich_help_panel=STRUCTURED, show_default=False,
+    help="The answer is JSON valid under this JSON schema (a file, or the schema's JSON text).")]
+RegexOpt = Annotated[Optional[str], typer.Option(
+    "--regex", metavar="RE", rich_help_panel=STRUCTURED, show_default=False,
+    help="The whole answer matches this regular expression.")]
+GrammarOpt = Annotated[Optional[str], typer.Option(
+    "--grammar", metavar="FILE", rich_help_panel=STRUCTURED, show_default=False,
+    help="The answer is a sentence of this Lark grammar (llguidance's Lark; `start` is the start rule).")]
+FormatOpt = Annotated[Optional[str], typer.Option(
+    "--format", metavar="json", rich_help_panel=STRUCTURED, show_default=False,
+    help="json: the answer is a JSON object, any (Ollama's `format: json`).")]
+NoForcedSpansOpt = Annotated[bool, typer.Option(
+    "--no-forced-spans", rich_help_panel=STRUCTURED,
+    help="Decode the text a constraint forces token by token, instead of committing it several tokens per "
+         "forward.")]
 #: --spec is a plain string checked by spec_kwargs against SPEC_MODES (mlx_infer.speculative.MODES), so that a bad
 #: value gets the one-line error rather than typer's usage box.
 SpecOpt = Annotated[str, typer.Option(
@@ -299,3 +316,52 @@ def kv_kwargs(kv_cache: str, kv_budget: Optional[str], evict: Optional[str], rep
     if quant is not None:
         options.update(kv_bits=kv_bits, kv_scheme=quant.scheme, kv_quant_start=quant.start)
     return options, request
+
+
+def _source_text(value: str, flag: str, what: str) -> str:
+    """A flag's value: the file it names when one exists, else the text itself (`what` says which is
+    expected). Raises MlxInferError naming the flag for an unreadable file."""
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise MlxInferError(f"{flag}: cannot read {value}: {e}") from None
+    if what == "file":
+        raise MlxInferError(f"{flag}: no file {value!r}; give the path of a Lark grammar file")
+    return value
+
+
+def constraint_kwargs(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str],
+                      fmt: Optional[str], no_forced_spans: bool) -> dict:
+    """Engine.stream_steps keyword arguments (response_format, forced_spans) from the structured-output flags,
+    at most one of --json-schema, --regex, --grammar, --format. Raises MlxInferError (exit 2) for several of
+    them, an unreadable file, a schema that is not JSON, --format other than json; the constraint itself is
+    checked against the model's tokenizer before decoding (ConstraintError)."""
+    from mlx_infer.structured import constraint
+
+    given = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar),
+                                      ("--format", fmt)) if value is not None]
+    if len(given) > 1:
+        raise MlxInferError(f"{' and '.join(given)} cannot be used together; give one constraint")
+    if no_forced_spans and not given:
+        warnings.warn("--no-forced-spans changes nothing without --json-schema, --regex, --grammar or --format")
+    try:
+        if json_schema is not None:
+            rule = constraint.json_schema(_source_text(json_schema, "--json-schema", "json"), "json_schema")
+        elif regex is not None:
+            rule = constraint.regex(regex, "regex")
+        elif grammar is not None:
+            rule = constraint.lark(_source_text(grammar, "--grammar", "file"), "grammar")
+        elif fmt is not None:
+            if fmt.strip().lower() != "json":
+                raise MlxInferError(f"--format takes json (any JSON object), got {fmt!r}; for a schema use "
+                                    "--json-schema")
+            rule = constraint.json_object("format")
+        else:
+            return {}
+    except constraint.ConstraintError as e:
+        raise MlxInferError(f"{given[0]}: {e}") from None
+    return {"response_format": rule, "forced_spans": not no_forced_spans}
