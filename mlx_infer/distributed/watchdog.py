@@ -111,13 +111,32 @@ def guarded(step: Callable[[], T], what: str, rank: int, timeout: Optional[float
 
 def on_terminate(rank: int) -> None:
     """Make SIGTERM (mlx.launch stopping the ranks after one failed) end this process with one error line
-    instead of a traceback or silence."""
+    instead of a traceback or silence (on a line of its own: MLX's threads may be writing to stderr too),
+    even while its main thread is blocked in a collective (where a Python
+    signal handler never runs): the signal's number reaches a pipe at once (signal.set_wakeup_fd, written by
+    the C-level handler), and a thread reading it writes the line and ends the process. Call from the main
+    thread."""
+    message = (f"\nerror: rank {rank}: stopped by mlx.launch: another rank of the group failed or was killed "
+               "(its error, if it wrote one, is above)\n")
 
-    def handler(signum, frame):
-        sys.stderr.write(f"error: rank {rank}: stopped by mlx.launch: another rank of the group failed or "
-                         "was killed (its error, if it wrote one, is above)\n")
+    def end() -> None:
+        sys.stderr.write(message)
         sys.stderr.flush()
         os._exit(EXIT_CODE)
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
+    def handler(signum, frame):
+        end()
+
+    def reader(fd: int) -> None:
+        while True:
+            data = os.read(fd, 64)
+            if not data or signal.SIGTERM in data:
+                end()
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, handler)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=reader, args=(read_fd,), name="mlx-infer-dist-sigterm", daemon=True).start()

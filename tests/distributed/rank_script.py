@@ -3,6 +3,8 @@ write this rank's result as JSON to OUT_DIR/rank<r>.json.
 
     python rank_script.py OUT_DIR MODEL|default PARALLEL [MAX_TOKENS] [PROMPT_IDS_JSON] [LAYERS]
 
+MODEL may hold "%r", replaced by the rank (each rank its own file: the mismatched-files test).
+
 Env: KILL_RANK=r and KILL_AFTER=n: rank r exits abruptly (os._exit) after n tokens (a rank lost mid-request).
 """
 
@@ -30,6 +32,7 @@ def main() -> int:
     on_terminate(group.rank)
     kill_rank, kill_after = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AFTER", "0"))
     try:
+        model = model.replace("%r", str(group.rank))
         shard = load_sharded(None if model == "default" else model, group, parallel, layers=layers)
         tok = shard.tokenizer
         ids = prompt if prompt is not None else tok.encode("The capital of France is")

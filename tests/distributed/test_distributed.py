@@ -1,0 +1,128 @@
+"""One model over 2 ranks of `mlx.launch -n 2 --backend ring` on 127.0.0.1, against one process.
+
+Pipeline parallel: each layer computes what it computes in one process on the same inputs (send / recv copy
+the bytes), so the greedy tokens and the logits are bit-identical. Tensor parallel: each rank's products
+sum over its slice of the input features and the all_sum adds the slices (rank 0's partial sum holding the
+residual), a float order other than one product's, so the logits differ in the last bits: they are held to
+LOGIT_ATOL (measured: 3e-5 on the default model, logits up to ~35), the greedy tokens to equality on the test
+prompts. On every rank the tokens and logits are the same (rank 0 decides each token; the all_sum gives
+every rank the same sum).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from gguf_factory import Q, tiny_gguf
+from launch_helpers import launch, mlx_launch, one_process, result
+
+pytestmark = pytest.mark.skipif(mlx_launch() is None, reason="mlx.launch (the mlx package's launcher) is missing")
+
+#: Tensor parallel's logits against one process: absolute, on logits of magnitude ~10-35 (see the docstring).
+LOGIT_ATOL = 1e-3
+TOKENS = 10
+
+
+def _run_pair(tmp_path, model, parallel, prompt=None, layers="kernels"):
+    """(one process's result, [rank 0's, rank 1's]) of rank_script on `model`."""
+    args = [str(TOKENS), json.dumps(prompt), layers]
+    one = one_process([str(tmp_path / "one"), model, "auto", *args])
+    assert one.returncode == 0, one.stderr
+    proc = launch([str(tmp_path / "two"), model, parallel, *args])
+    assert proc.returncode == 0 and (tmp_path / "two" / "rank1.json").exists(), proc.stderr
+    return result(tmp_path / "one", 0), [result(tmp_path / "two", r) for r in (0, 1)]
+
+
+def _same_on_every_rank(ranks):
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+    assert np.array_equal(ranks[0]["logits"], ranks[1]["logits"])
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    """A tiny llama GGUF (4 query / 2 KV heads, 4 layers) with Q8_0 weights: the CPU kernel layers run it."""
+    path, _, _ = tiny_gguf(tmp_path_factory.mktemp("tiny") / "llama-q8.gguf", "llama", Q.Q8_0, seed=3, layers=4)
+    return str(path)
+
+
+def test_pipeline_default_model_is_bit_identical(tmp_path):
+    one, ranks = _run_pair(tmp_path, "default", "pipeline")
+    assert [r["detail"] for r in ranks] == ["layers 0-14 of 30", "layers 15-29 of 30"]
+    assert ranks[0]["tokens"] == one["tokens"] and len(one["tokens"]) == TOKENS
+    assert np.array_equal(ranks[0]["logits"], one["logits"])
+    _same_on_every_rank(ranks)
+
+
+def test_tensor_default_model_uneven_heads(tmp_path):
+    """9 query / 3 KV heads over 2 ranks: 1 + 2 KV heads (3 + 6 query heads), the MLP's rows halved."""
+    one, ranks = _run_pair(tmp_path, "default", "tensor")
+    assert ranks[0]["detail"].startswith("query heads 0-2 of 9") and ranks[1]["detail"].startswith("query heads 3-8")
+    assert ranks[0]["tokens"] == one["tokens"]
+    np.testing.assert_allclose(ranks[0]["logits"], one["logits"], rtol=0, atol=LOGIT_ATOL)
+    assert (ranks[0]["logits"].argmax(-1) == one["logits"].argmax(-1)).all()
+    _same_on_every_rank(ranks)
+
+
+@pytest.mark.parametrize("parallel,layers", [("tensor", "kernels"), ("tensor", "mlx"), ("pipeline", "kernels")])
+def test_tiny_quantized_llama(tmp_path, tiny_q8, parallel, layers):
+    prompt = [5, 17, 33, 8, 60, 2, 41]
+    one, ranks = _run_pair(tmp_path, tiny_q8, parallel, prompt, layers)
+    assert ranks[0]["parallel"] == parallel
+    assert ranks[0]["tokens"] == one["tokens"]
+    if parallel == "pipeline":
+        assert np.array_equal(ranks[0]["logits"], one["logits"])
+    else:
+        np.testing.assert_allclose(ranks[0]["logits"], one["logits"], rtol=0, atol=LOGIT_ATOL)
+    _same_on_every_rank(ranks)
+
+
+def test_auto_picks_tensor_for_even_heads_pipeline_otherwise(tmp_path, tiny_q8):
+    proc = launch([str(tmp_path / "tiny"), tiny_q8, "auto", "2", json.dumps([5, 6])])
+    assert proc.returncode == 0, proc.stderr
+    assert result(tmp_path / "tiny", 0)["parallel"] == "tensor"  # 4 / 2 heads over 2 ranks
+
+
+def test_tiny_qwen3_tensor(tmp_path):
+    """qwen3: q / k norms per head, tied embeddings, float weights (MLX's products)."""
+    path, _, _ = tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", Q.F32, seed=5)
+    one, ranks = _run_pair(tmp_path, str(path), "tensor", [3, 9, 27, 4])
+    assert ranks[0]["tokens"] == one["tokens"]
+    np.testing.assert_allclose(ranks[0]["logits"], one["logits"], rtol=0, atol=LOGIT_ATOL)
+
+
+def _one_error_line(proc) -> str:
+    """The error line of the job: exactly one, from rank 0 (the others stay quiet), no traceback. (mlx.launch
+    itself exits 0 whatever its ranks did, and MLX's ring backend writes its own notes to stderr.)"""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_mismatched_files_one_line_every_rank_exits(tmp_path):
+    tiny_gguf(tmp_path / "m0.gguf", "llama", Q.F32, seed=1)
+    tiny_gguf(tmp_path / "m1.gguf", "llama", Q.F32, seed=2)  # same shapes, other weights
+    proc = launch([str(tmp_path / "out"), str(tmp_path / "m%r.gguf"), "auto"])
+    line = _one_error_line(proc)
+    assert "model files differ between ranks (rank 1 against rank 0)" in line, line
+    assert not (tmp_path / "out").exists()  # no rank went on
+
+
+def test_heads_that_do_not_split(tmp_path):
+    path, _, _ = tiny_gguf(tmp_path / "mqa.gguf", "llama", Q.F32, seed=1, kv_heads=1)
+    proc = launch([str(tmp_path / "out"), str(path), "tensor"])
+    line = _one_error_line(proc)
+    assert "needs at least 2 KV heads" in line and "--parallel pipeline" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_killed_mid_request_ends_the_job_with_one_error(tmp_path, tiny_q8):
+    """Rank 1 exits abruptly after 3 tokens; rank 0 is waiting in the next step's collective: its backend
+    fails the step (the peer's socket closed) or mlx.launch terminates it; either way one error line from
+    rank 0, and the job ends (the subprocess limit is only there to fail a hang)."""
+    proc = launch([str(tmp_path / "out"), tiny_q8, "tensor", "64", json.dumps([5, 6, 7])],
+                  env={"KILL_RANK": "1", "KILL_AFTER": "3"})
+    line = _one_error_line(proc)
+    assert line.startswith("error: rank 0: "), line
+    assert "lost" in line or "stopped by mlx.launch" in line, line
+    assert not (tmp_path / "out" / "rank0.json").exists()
