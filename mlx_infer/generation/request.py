@@ -217,11 +217,13 @@ def run_request(run: Decoding, req: Request) -> Iterator[GenerationStep]:
 
 def with_tool_calls(final: GenerationStep, plan: Any, text: str) -> GenerationStep:
     """The final step of a request with tools: its calls parsed from the whole text (ToolPlan.parse), and
-    finish_reason "tool_calls" when the model made any."""
+    finish_reason "tool_calls" when the model made any and ended by itself ("length" stays: a call may be
+    cut off)."""
     _, calls = plan.parse(text)
     if calls:
         final.tool_calls = list(calls)
-        final.finish_reason = "tool_calls"
+        if final.finish_reason == "stop":
+            final.finish_reason = "tool_calls"
     return final
 
 
