@@ -11,6 +11,8 @@ import typer
 from .bench import bench
 from .chat import chat
 from .convert import convert
+from .distributed import generate as generate_sharded
+from .distributed import under_launch
 from .doctor import doctor
 from .errors import EXIT_BUG, click_exceptions, one_line_warnings, report_bug
 from .generate import generate
@@ -33,7 +35,10 @@ def _help(command: Callable) -> str:
     return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
-app.command(help=_help(generate), epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(generate)
+# under mlx.launch, `generate` splits the model over the launch's ranks (cli/distributed.py)
+app.command("generate", help=_help(generate_sharded) if under_launch() else _help(generate),
+            epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(
+    generate_sharded if under_launch() else generate)
 app.command(help=_help(chat), epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
 app.command(help=_help(serve), epilog="Example: mlx-infer serve --port 8080")(serve)
 app.command(help=_help(doctor))(doctor)

@@ -102,7 +102,19 @@ def init_group(backend: str = "any", strict: bool = False) -> Group:
                                "the hosts and that every rank runs under the same mlx.launch") from e
     if group.size() == 1 and not launched():
         return Group(None, "none")
-    return Group(group, backend, group.rank(), group.size(), hosts_from_env())
+    return Group(group, backend if backend != "any" else _launched_backend(), group.rank(), group.size(),
+                 hosts_from_env())
+
+
+def _launched_backend() -> str:
+    """The backend "any" found, from what the launcher set: mpirun (OMPI_*), JACCL (MLX_IBV_DEVICES or
+    MLX_JACCL_COORDINATOR), NCCL (NCCL_HOST_IP), ring (MLX_HOSTFILE); "any" when none of those."""
+    env = os.environ
+    for name, backend in (("OMPI_COMM_WORLD_RANK", "mpi"), ("MLX_IBV_DEVICES", "jaccl"),
+                          ("MLX_JACCL_COORDINATOR", "jaccl"), ("NCCL_HOST_IP", "nccl"), ("MLX_HOSTFILE", "ring")):
+        if name in env:
+            return backend
+    return "any"
 
 
 def broadcast_ints(group: Group, values: Optional[Sequence[int]], length: int, what: str = "inputs") -> List[int]:

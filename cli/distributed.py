@@ -1,0 +1,155 @@
+"""`mlx-infer generate` under `mlx.launch`: one model over the launch's ranks (docs/distributed.md).
+
+    mlx.launch -n 2 --backend ring -- mlx-infer generate "Hello" --parallel pipeline
+    mlx.launch --hosts 10.0.0.1,10.0.0.2 --backend ring -- mlx-infer generate "Hello"
+
+app.py registers this command as `generate` when the process was started by a launcher (MLX_RANK set), the
+single-process one otherwise. Rank 0 reads the prompt and writes the answer (stdout) and every message
+(stderr); the other ranks print nothing but their own failures. It takes the sampling flags of `generate`;
+speculative decoding, the paged / quantized KV cache and eviction do not run sharded yet.
+"""
+
+import json
+import os
+import sys
+from typing import Annotated, List
+
+import typer
+
+from .errors import fail, user_errors
+from .options import (MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, SystemOpt,
+                      TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params)
+
+PARALLEL = "Several processes"
+ParallelOpt = Annotated[str, typer.Option(
+    "--parallel", help="How the model splits over the ranks: tensor (each rank a slice of every layer's heads "
+    "and MLP rows, two all-reduces per layer), pipeline (each rank a range of layers) or auto (tensor when "
+    "the heads divide evenly by the group size, else pipeline).", rich_help_panel=PARALLEL)]
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="mx.distributed's backend: any, ring, jaccl, mpi or nccl (the one mlx.launch started).",
+    rich_help_panel=PARALLEL)]
+
+
+def under_launch() -> bool:
+    """Whether a launcher started this process (mlx.launch sets MLX_RANK; mpirun OMPI_COMM_WORLD_RANK)."""
+    return "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="The prompt; '-' reads it from stdin (rank 0's).",
+                                          show_default=False)],
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
+    stop: StopOpt = None,
+    system: SystemOpt = None,
+    no_chat_template: Annotated[bool, typer.Option(
+        "--no-chat-template", help="Send the prompt as raw text, without the model's chat template.")] = False,
+    weights: WeightsOpt = Weights.auto,
+    parallel: ParallelOpt = "auto",
+    backend: BackendOpt = "any",
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print timing stats to stderr (rank 0).")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate an answer to PROMPT with the model split over the ranks of mlx.launch, and stream it to stdout.
+
+    Rank 0 reads the prompt and prints the answer; every rank runs each step in lockstep. A rank that fails
+    ends the job with one error line on rank 0.
+    """
+    from mlx_infer.distributed import init_group, watchdog
+
+    group = init_group(backend) if backend in ("any", "ring", "jaccl", "mpi", "nccl") else None
+    rank = group.rank if group is not None else 0
+    watchdog.on_terminate(rank)
+    with user_errors(verbose if rank == 0 else False):
+        if group is None:
+            raise fail(f"unknown --backend {backend!r}; use one of any, ring, jaccl, mpi, nccl")
+        try:
+            _generate(group, prompt, model, sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed,
+                                                            repetition_penalty, stop),
+                      system, no_chat_template, weights.value, parallel, as_json, stats or verbose)
+        except BaseException:
+            if rank != 0:  # rank 0 says what went wrong; the others leave quietly with the same status
+                sys.stderr = open(os.devnull, "w")
+            raise
+
+
+def _generate(group, prompt: str, model, params, system, no_chat_template: bool, weights: str, parallel: str,
+              as_json: bool, show_stats: bool) -> None:
+    from mlx_infer.distributed import LockstepStats, broadcast_ints, load_sharded, lockstep_tokens
+    from mlx_infer.errors import MlxInferError
+    from mlx_infer.generation.prompt import PromptCodec
+    from mlx_infer.speculative.target import output_vocab
+
+    from .generate import read_prompt
+
+    shard = load_sharded(model, group, parallel, weights)
+    tokenizer = shard.tokenizer
+    ids, error = None, None
+    if group.is_root:
+        try:
+            if system and no_chat_template:
+                raise fail("--system needs the chat template; drop --no-chat-template or --system")
+            ids = PromptCodec(tokenizer, output_vocab(shard.model)).encode(read_prompt(prompt), system,
+                                                                            not no_chat_template)
+        except MlxInferError as e:
+            error = e
+    (ok,) = broadcast_ints(group, [int(error is None)] if group.is_root else None, 1, "the prompt check")
+    if not ok:
+        raise error if error is not None else fail("rank 0 refused the prompt")
+    if group.is_root and show_stats:
+        sys.stderr.write(f"{group.size} ranks ({group.backend}), {shard.parallel} parallel; rank 0 holds "
+                         f"{shard.detail}\n")
+    text: List[str] = []
+    detok = tokenizer.detokenizer
+    detok.reset()
+    stops = params.stop
+    stream = group.is_root and not as_json and not stops
+    tokens: List[int] = []
+
+    def found_stop(token: int) -> bool:
+        detok.add_token(token)
+        text.append(detok.last_segment)
+        if stream:
+            sys.stdout.write(text[-1])
+            sys.stdout.flush()
+        return bool(stops) and any(s in "".join(text) for s in stops)
+
+    run = LockstepStats()
+    finish = "length"
+    for token in lockstep_tokens(shard, ids, params, tokenizer.eos_token_ids, run,
+                                 stop=found_stop if group.is_root else None):
+        tokens.append(token)
+    if len(tokens) < params.max_tokens:
+        finish = "stop"
+    if not group.is_root:
+        return
+    detok.finalize()
+    text.append(detok.last_segment)
+    answer = "".join(text)
+    for s in stops:
+        if s in answer:
+            answer, finish = answer[:answer.index(s)], "stop"
+    if as_json:
+        out = {"model": shard.source.name, "text": answer, "token_ids": tokens, "finish_reason": finish,
+               "parallel": shard.parallel, "ranks": group.size, "backend": group.backend,
+               "stats": {"prompt_tokens": run.prompt_tokens, "generated_tokens": run.generated_tokens,
+                         "prefill_s": run.prefill_s, "decode_s": run.decode_s, "broadcast_s": run.broadcast_s}}
+        sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
+    elif stream:
+        sys.stdout.write(text[-1] + "\n")
+    else:
+        sys.stdout.write(answer + "\n")
+    sys.stdout.flush()
+    if show_stats and run.step_s:
+        per = sum(run.step_s) / len(run.step_s)
+        sys.stderr.write(f"prompt {run.prompt_tokens} tokens in {run.prefill_s:.2f} s; {run.generated_tokens} "
+                         f"tokens at {1 / per:.1f} tokens/s; token broadcast {1e3 * run.broadcast_s / len(run.step_s):.2f}"
+                         " ms per step\n")
