@@ -2,6 +2,7 @@
 deciding where it ends (the one place both the single-request loop and batched decoding do this); a request
 with tools gets its final step's tool calls from `with_tool_calls`."""
 
+import json
 from typing import Any, Iterable, Optional, Tuple
 
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
@@ -66,9 +67,22 @@ class StepAssembler:
 def with_tool_calls(final: GenerationStep, plan: Any, text: str) -> GenerationStep:
     """The final step of a request with tools (plan: its ToolPlan; text: the request's whole generated text):
     the calls parsed from the text (ToolPlan.parse) on it, and finish_reason "tool_calls" when the model made
-    any. The plain path (generation/request.py) and batched decoding (batch/request.py) both end here."""
+    any and ended by itself. A request cut off by max_tokens keeps "length" and only the calls whose arguments
+    are whole JSON (the last one may be cut off). The plain path (generation/request.py) and batched decoding
+    (batch/request.py) both end here."""
     _, calls = plan.parse(text)
+    if final.finish_reason != "stop":
+        calls = [c for c in calls if _is_json(c.arguments)]
     if calls:
         final.tool_calls = list(calls)
-        final.finish_reason = "tool_calls"
+        if final.finish_reason == "stop":
+            final.finish_reason = "tool_calls"
     return final
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

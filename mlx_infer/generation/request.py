@@ -26,7 +26,7 @@ from ..kv.store import KVStore, Tracked
 from ..rmm.attention import reduced_products
 from ..speculative import SpecOptions, SpecState, SpecStats
 from ..structured.grammar import GrammarState
-from .assemble import StepAssembler
+from .assemble import StepAssembler, with_tool_calls
 from .compiled import CompiledSteps
 from .decode import plain_tokens
 from .logprobs import LogprobQueue
@@ -213,18 +213,6 @@ def run_request(run: Decoding, req: Request) -> Iterator[GenerationStep]:
     logprob = req.logprobs.take() if req.logprobs is not None and held_token is not None else None
     final = GenerationStep(held_text, held_token, finish_reason=finish, stats=stats, logprob=logprob)
     yield with_tool_calls(final, req.tools, "".join(texts) + held_text) if req.tools is not None else final
-
-
-def with_tool_calls(final: GenerationStep, plan: Any, text: str) -> GenerationStep:
-    """The final step of a request with tools: its calls parsed from the whole text (ToolPlan.parse), and
-    finish_reason "tool_calls" when the model made any and ended by itself ("length" stays: a call may be
-    cut off)."""
-    _, calls = plan.parse(text)
-    if calls:
-        final.tool_calls = list(calls)
-        if final.finish_reason == "stop":
-            final.finish_reason = "tool_calls"
-    return final
 
 
 def _stats(run: Decoding, req: Request, cached: int, n: int, start: float, first_at: float, end: float,

@@ -160,5 +160,5 @@ def test_the_final_step_carries_the_tool_calls(default_engine):
     req.tools = OneCall()
     run_batch(sched, [req])
     got = collect(steps)
-    assert got.finish_reason == "tool_calls"
+    assert got.finish_reason == "length"  # cut by max_tokens: "length" stays, the whole calls are attached
     assert [json.loads(c.arguments)["text"] for c in got.tool_calls] == [got.text]

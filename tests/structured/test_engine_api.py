@@ -93,10 +93,13 @@ def test_required_tool_call_ends_with_tool_calls(default_engine):
 
 def test_tool_calls_cut_by_max_tokens_end_with_length(default_engine):
     """With parallel calls the model repeats its call until max_tokens: "length", not "tool_calls"."""
-    result = default_engine.generate("What is the weather in Paris?", max_tokens=30, tools=TOOLS,
+    result = default_engine.generate("What is the weather in Paris?", max_tokens=46, tools=TOOLS,
                                      tool_choice="required")
     assert result.finish_reason == "length"
     assert result.tool_calls and result.tool_calls[0].name == "get_weather"
+    for call in result.tool_calls:  # a call cut off mid-arguments is not reported
+        jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+    assert result.text.count("<tool_call>") > len(result.tool_calls)  # the last one was cut off
 
 
 def test_tool_choice_none_is_a_plain_answer(default_engine):
