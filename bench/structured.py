@@ -515,9 +515,10 @@ def main() -> None:
     args.validity_limit = args.validity_limit or len(load_schemas())
     for n in names:
         model_paths(n)  # installed, before anything is measured
+    measured_at = commit()  # the code that is imported now (the tree may move while it runs)
     models = [measure(n, args) for n in names]
     info = machine()
-    payload = {"machine": info, "commit": commit(), "args": {**vars(args), "skip": sorted(args.skip)},
+    payload = {"machine": info, "commit": measured_at, "args": {**vars(args), "skip": sorted(args.skip)},
                "models": models}
     if args.results:
         folder = Path(args.results)
