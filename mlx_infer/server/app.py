@@ -2,8 +2,13 @@
 when streaming), /v1/models, /v1/models/{id}, /health, over one engine's BatchRunner (continuous batching on
 its own thread).
 
-    app = build_app(engine, runner, ServerConfig(api_key="..."))
+    app = build_app(engine, runner, ServerConfig(api_key="..."))     # one model
+    app = build_pool_app(pool, ServerConfig(api_key="..."))           # several (models.py)
     uvicorn.run(app, host="127.0.0.1", port=8080)
+
+A request's `model` picks what serves it (Server.lease: models.OneModel, or a pool of several); an unknown
+name is a 404 model_not_found. The other APIs (their own modules) answer through the same pipeline: lease,
+build, submit, steps, done.
 
 Each request is checked (protocol.py), built once per choice by the engine (Engine.batch_request: its prompt
 encoded, its parameters, constraint and tools checked; all n before any is submitted, so that a bad value is a
@@ -38,6 +43,7 @@ from ..batch import BatchRequest, BatchRunner, RequestHandle
 from ..errors import MlxInferError
 from ..generation.results import GenerationStep
 from .chunks import Choice
+from .models import OneModel, Served
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
 from .protocol import APIError, ParsedRequest, api_error, parse
 
@@ -121,14 +127,24 @@ class InternalErrors:
 
 
 class Server:
-    """The routes' state: the engine (tokenizer and chat template only, on the event loop's thread), its
-    runner, the limits, and the requests in flight (their count gives the 429)."""
+    """The routes' state: the models (`pool`: OneModel or a pool of several; a request leases the one it names),
+    the limits, and the requests in flight (their count gives the 429).
 
-    def __init__(self, engine, runner: BatchRunner, config: ServerConfig):
-        self.engine, self.runner, self.config = engine, runner, config
-        self.capacity = runner.scheduler.max_batch + config.max_queue
+    Args:
+        pool: what `lease`s a request's model (models.OneModel's methods: listing, find, lease).
+        config: the limits and identity.
+        capacity: requests allowed in flight at once (running and waiting), over all models.
+    """
+
+    def __init__(self, pool, config: ServerConfig, capacity: int):
+        self.pool, self.config, self.capacity = pool, config, capacity
         self.open: dict = {}  # RequestHandle -> (event loop, its answer's step queue), the requests in flight
-        self._token_texts: Dict[int, str] = {}
+        self._token_texts: Dict[tuple, str] = {}
+
+    def lease(self, model: Optional[str], keep_alive: Optional[float] = None):
+        """The async context manager of the model a request names (None: the default), held while it runs;
+        raises APIError 404 model_not_found."""
+        return self.pool.lease(model, keep_alive)
 
     # ---- plumbing
 
@@ -159,7 +175,7 @@ class Server:
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply") from None
 
-    def build(self, parsed: ParsedRequest, index: int = 0) -> BatchRequest:
+    def build(self, served: Served, parsed: ParsedRequest, index: int = 0) -> BatchRequest:
         """The runner's request of choice `index` (Engine.batch_request: the prompt encoded once, the parameters,
         response_format and tools checked, the server's speculative mode and eviction; with a seed, seed +
         index); raises APIError 400 naming the field at fault, the prompt's when it is over the server's
@@ -167,7 +183,7 @@ class Server:
         chat = isinstance(parsed.prompt, list) and isinstance(parsed.prompt[0], dict)
         field = "messages" if chat else "prompt"
         try:
-            request = self.engine.batch_request(parsed.prompt, parsed.choice_params(index), chat_template=chat,
+            request = served.engine.batch_request(parsed.prompt, parsed.choice_params(index), chat_template=chat,
                                                 speculative=self.config.speculative, evict=self.config.evict,
                                                 repack=self.config.repack, **parsed.engine_kwargs())
         except MlxInferError as e:
@@ -177,9 +193,10 @@ class Server:
                                 f"{self.config.max_prompt_tokens}", field)
         return request
 
-    def submit(self, requests: List[BatchRequest]):
-        """(handles, the asyncio queue of their (index, step)); raises APIError 429 when full, 400 when one cannot
-        fit, 503 when the runner is closed (those already submitted are cancelled)."""
+    def submit(self, served: Served, requests: List[BatchRequest]):
+        """(handles, the asyncio queue of their (index, step)) of requests submitted to the model's runner; raises
+        APIError 429 when full, 400 when one cannot fit, 503 when the runner is closed (those already submitted
+        are cancelled)."""
         if len(self.open) + len(requests) > self.capacity:
             raise APIError(429, f"the server is busy ({len(self.open)} requests in flight): retry shortly",
                            kind="rate_limit_error")
@@ -189,7 +206,7 @@ class Server:
             def on_step(s, index=index):
                 loop.call_soon_threadsafe(steps.put_nowait, (index, s))
             try:
-                handle = self.runner.submit(request, on_step=on_step)
+                handle = served.runner.submit(request, on_step=on_step)
             except MlxInferError as e:
                 self.done(handles)
                 raise api_error(e) from None
@@ -202,15 +219,18 @@ class Server:
             handle.cancel()  # a no-op for a finished request; else its blocks go back at the runner's next step
             self.open.pop(handle, None)
 
-    def token_text(self, token: int) -> str:
-        """A token's text (Engine.decode of the one id), remembered."""
-        text = self._token_texts.get(token)
+    def token_text(self, served: Served, token: int) -> str:
+        """A token's text in a model (Engine.decode of the one id), remembered."""
+        key = (served.id, token)
+        text = self._token_texts.get(key)
         if text is None:
-            text = self._token_texts[token] = self.engine.decode([token])
+            text = self._token_texts[key] = served.engine.decode([token])
         return text
 
-    def choices(self, parsed: ParsedRequest, requests: List[BatchRequest], chat: bool) -> List[Choice]:
-        return [Choice(i, chat, getattr(r, "tools", None), self.token_text, parsed.logprobs is not None)
+    def choices(self, served: Served, parsed: ParsedRequest, requests: List[BatchRequest], chat: bool) -> List[Choice]:
+        def text(token: int) -> str:
+            return self.token_text(served, token)
+        return [Choice(i, chat, getattr(r, "tools", None), text, parsed.logprobs is not None)
                 for i, r in enumerate(requests)]
 
     def shutdown(self) -> None:
@@ -224,22 +244,15 @@ class Server:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    def model_object(self) -> dict:
-        """The served model as OpenAI's model object."""
-        return {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "mlx-infer"}
-
     async def models(self, request: Request) -> Response:
+        """GET /v1/models: every model this server can serve (`loaded`: in memory now)."""
         self.check_auth(request)
-        return JSONResponse({"object": "list", "data": [self.model_object()]})
+        return JSONResponse({"object": "list", "data": self.pool.listing()})
 
     async def model(self, request: Request) -> Response:
-        """GET /v1/models/{id}: the served model's object; any other id is a 404 (code model_not_found)."""
+        """GET /v1/models/{id}: a served model's object; any other id is a 404 (code model_not_found)."""
         self.check_auth(request)
-        model_id = request.path_params["model_id"]
-        if model_id != self.config.model_id:
-            raise APIError(404, f"model {model_id!r} is not served here; this server serves "
-                                f"{self.config.model_id!r} (see GET /v1/models)", "model", code="model_not_found")
-        return JSONResponse(self.model_object())
+        return JSONResponse(self.pool.find(request.path_params["model_id"]))
 
     async def chat(self, request: Request) -> Response:
         return await self.complete(request, chat=True)
@@ -250,12 +263,18 @@ class Server:
     async def complete(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
         parsed = parse(await self.read_json(request), chat, self.config.max_tokens_limit, self.config.default_max_tokens)
-        requests = [self.build(parsed, i) for i in range(parsed.n)]
-        handles, steps = self.submit(requests)
-        choices = self.choices(parsed, requests, chat)
+        lease = self.lease(parsed.model)
+        served = await lease.__aenter__()
+        try:
+            requests = [self.build(served, parsed, i) for i in range(parsed.n)]
+            handles, steps = self.submit(served, requests)
+        except BaseException:
+            await lease.__aexit__(None, None, None)
+            raise
+        choices = self.choices(served, parsed, requests, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
-            return StreamingResponse(self.events(handles, steps, choices, parsed, rid, chat),
+            return StreamingResponse(self.events(lease, served, handles, steps, choices, parsed, rid, chat),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             checked = time.monotonic()
@@ -277,12 +296,13 @@ class Server:
                 choices[index].add(step)
         finally:
             self.done(handles)
+            await lease.__aexit__(None, None, None)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.config.model_id,
+                             "created": int(time.time()), "model": served.id,
                              "choices": [c.whole() for c in choices], "usage": usage([c.final for c in choices])})
 
-    async def events(self, handles: List[RequestHandle], steps: asyncio.Queue, choices: List[Choice],
-                     parsed: ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
+    async def events(self, lease, served: Served, handles: List[RequestHandle], steps: asyncio.Queue,
+                     choices: List[Choice], parsed: ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
         """The SSE stream of an answer: per choice a first chunk (chat: the role), then its deltas as its steps
         come (the n choices interleaved, each chunk one choice with its index), its finish chunk; with
         include_usage a last chunk of no choices and the usage of all; then [DONE]."""
@@ -290,7 +310,7 @@ class Server:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: Optional[dict], **extra) -> str:
-            body = {"id": rid, "object": kind, "created": created, "model": self.config.model_id,
+            body = {"id": rid, "object": kind, "created": created, "model": served.id,
                     "choices": [choice] if choice is not None else [], **extra}
             if parsed.include_usage:
                 body.setdefault("usage", None)
@@ -315,6 +335,7 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away (the response is cancelled): the requests stop
             self.done(handles)
+            await lease.__aexit__(None, None, None)
 
 
 def usage(finals: List[GenerationStep]) -> dict:
@@ -328,8 +349,15 @@ def usage(finals: List[GenerationStep]) -> dict:
 
 
 def build_app(engine, runner: BatchRunner, config: ServerConfig) -> Starlette:
-    """The Starlette app serving `engine` through `runner` (the caller closes the runner)."""
-    server = Server(engine, runner, config)
+    """The Starlette app serving `engine` through `runner` under config.model_id (the caller closes the runner)."""
+    return build_pool_app(OneModel(Served(config.model_id, engine, runner)),
+                          config, runner.scheduler.max_batch + config.max_queue)
+
+
+def build_pool_app(pool, config: ServerConfig, capacity: int) -> Starlette:
+    """The Starlette app serving the models of `pool` (models.OneModel's methods), at most `capacity` requests
+    in flight (the caller closes the pool)."""
+    server = Server(pool, config, capacity)
 
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)

@@ -59,6 +59,7 @@ class ParsedRequest:
         tools, tool_choice, parallel_tool_calls: OpenAI's tool fields as given (None: absent).
         logprobs: None (off) or the alternatives per token to report (chat: top_logprobs; completions: the
             legacy int).
+        model: the model the request names (None: the server's default).
     """
 
     prompt: Union[str, List[dict], List[int]]
@@ -71,6 +72,7 @@ class ParsedRequest:
     tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = None
     logprobs: Optional[int] = None
+    model: Optional[str] = None
 
     def choice_params(self, index: int) -> SamplingParams:
         """The SamplingParams of choice `index`: seed + index (mod 2**64) when a seed is given."""
@@ -345,4 +347,4 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
     except MlxInferError as e:
         raise api_error(e) from None
     return ParsedRequest(prompt, params, stream, bool(options.get("include_usage", False)), n, response_format,
-                         tools, tool_choice, parallel, logprobs)
+                         tools, tool_choice, parallel, logprobs, body.get("model"))

@@ -40,23 +40,23 @@ def alone(engine, question, n):
 def test_chat_and_completions(server, reference):
     url, _ = server
     c = client(url)
-    r = c.chat.completions.create(model="anything", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12)
+    r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12)
     assert r.choices[0].message.content == alone(reference, QUESTIONS[0], 12)
     assert r.choices[0].finish_reason in ("stop", "length") and r.model == "smollm2"
     assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}],
+    chunks = list(c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
                                             max_tokens=12, stream=True, stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
-    full = c.completions.create(model="m", prompt="The capital of France is", max_tokens=20, temperature=0)
-    cut = c.completions.create(model="m", prompt="The capital of France is", max_tokens=20, stop=[" Paris", "\n"])
+    full = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=20, temperature=0)
+    cut = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=20, stop=[" Paris", "\n"])
     stops = [i for i in (full.choices[0].text.find(" Paris"), full.choices[0].text.find("\n")) if i >= 0]
     assert stops, "the reference text should contain a stop string"
     assert cut.choices[0].text == full.choices[0].text[:min(stops)] and cut.choices[0].finish_reason == "stop"
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="m", prompt="The capital of France is", max_tokens=20, stream=True))
+        model="smollm2", prompt="The capital of France is", max_tokens=20, stream=True))
     assert streamed == full.choices[0].text
     assert client(url).models.list().data[0].id == "smollm2"
 
@@ -92,7 +92,7 @@ def test_eight_concurrent_streams_equal_each_alone(server, reference):
     got = [None] * len(QUESTIONS)
 
     def one(i):
-        stream = client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[i]}],
+        stream = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[i]}],
                                                       max_tokens=24, stream=True)
         got[i] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
@@ -110,7 +110,7 @@ def test_disconnect_mid_stream_frees_its_blocks(server):
     body = {"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}], "max_tokens": 2000,
             "stream": True}
     other = threading.Thread(target=lambda: client(url).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=40))
+        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=40))
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
@@ -132,9 +132,9 @@ def test_auth(engine):
         with pytest.raises(openai.AuthenticationError):
             client(url, "wrong").models.list()
         with pytest.raises(openai.AuthenticationError):
-            client(url, "wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+            client(url, "wrong").chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
         assert client(url, "s3cret").chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices[0].message.content
+            model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices[0].message.content
         assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
@@ -190,6 +190,18 @@ def test_unparsable_content_length_is_a_json_error(server, length):
     assert error["type"] == "invalid_request_error" and "Content-Length" in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
     assert httpx.get(url + "/health").status_code == 200  # still serving
+
+
+def test_an_unknown_model_is_a_404_model_not_found(server):
+    """A request naming a model the server does not serve is never answered by another one."""
+    url, _ = server
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    r = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    ok = client(url).completions.create(model="smollm2", prompt="hi", max_tokens=2)
+    assert ok.model == "smollm2"
 
 
 def test_bad_content_length_reaching_the_app_is_a_400(engine):
@@ -304,10 +316,10 @@ def test_next_chat_turn_reuses_the_first_turns_blocks(server):
     c = client(url)
     history = [{"role": "system", "content": "You are a patient teacher. " * 20},
                {"role": "user", "content": "Explain photosynthesis briefly."}]
-    first = c.chat.completions.create(model="m", messages=history, max_tokens=40)
+    first = c.chat.completions.create(model="smollm2", messages=history, max_tokens=40)
     history += [{"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "And respiration?"}]
-    second = c.chat.completions.create(model="m", messages=history, max_tokens=8)
+    second = c.chat.completions.create(model="smollm2", messages=history, max_tokens=8)
     hit = second.usage.prompt_tokens_details.cached_tokens
     assert hit >= (first.usage.prompt_tokens // 16) * 16  # at least the first turn's whole prompt blocks
     assert hit < second.usage.prompt_tokens
@@ -319,7 +331,7 @@ def test_lone_request_speculates_losslessly(engine, reference):
     question = ("Repeat this list exactly, twice: apples, bananas, cherries, dates, elderberries, figs, grapes, "
                 "apples, bananas, cherries, dates, elderberries, figs, grapes.")
     with live_server(engine, speculative="lookup") as (url, runner):
-        r = client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": question}], max_tokens=48)
+        r = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=48)
         assert runner.scheduler.steps == 0  # no batched decode forward: every token came from speculative rounds
     assert r.choices[0].message.content == alone(reference, question, 48) and r.usage.completion_tokens > 1
 

@@ -59,7 +59,7 @@ def independent_logprobs(engine, prompt_ids, token_ids):
 @pytest.mark.parametrize("prompt", PERSON_PROMPTS)
 def test_parse_returns_a_parsed_object_every_time(server, prompt):
     url, _ = server
-    r = client(url).chat.completions.parse(model="m", messages=[{"role": "user", "content": prompt}],
+    r = client(url).chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": prompt}],
                                            response_format=Person, max_tokens=300)
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
@@ -74,11 +74,11 @@ def test_parse_sampled_with_a_seed_and_streamed_equals_whole(server):
     c = client(url)
     messages = [{"role": "user", "content": PERSON_PROMPTS[0]}]
     for seed in (1, 2, 3):
-        r = c.chat.completions.parse(model="m", messages=messages, response_format=Person, max_tokens=300,
+        r = c.chat.completions.parse(model="smollm2", messages=messages, response_format=Person, max_tokens=300,
                                      temperature=1.0, seed=seed)
         assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Person)
-    whole = c.chat.completions.parse(model="m", messages=messages, response_format=Person, max_tokens=300)
-    with c.chat.completions.stream(model="m", messages=messages, response_format=Person, max_tokens=300) as s:
+    whole = c.chat.completions.parse(model="smollm2", messages=messages, response_format=Person, max_tokens=300)
+    with c.chat.completions.stream(model="smollm2", messages=messages, response_format=Person, max_tokens=300) as s:
         streamed = s.get_final_completion()
     assert streamed.choices[0].message.content == whole.choices[0].message.content
     assert streamed.choices[0].message.parsed == whole.choices[0].message.parsed
@@ -87,7 +87,7 @@ def test_parse_sampled_with_a_seed_and_streamed_equals_whole(server):
 def test_json_object_mode(server):
     url, _ = server
     r = client(url).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+        model="smollm2", messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
         response_format={"type": "json_object"}, max_tokens=200)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -102,7 +102,7 @@ def test_chat_logprobs_equal_an_independent_log_softmax(server, reference, respo
     url, _ = server
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     extra = {"response_format": response_format} if response_format else {}
-    r = client(url).chat.completions.create(model="m", messages=messages, max_tokens=10, logprobs=True,
+    r = client(url).chat.completions.create(model="smollm2", messages=messages, max_tokens=10, logprobs=True,
                                             top_logprobs=5, **extra)
     reference.reset()
     expected = reference.generate(messages, max_tokens=10, **extra)
@@ -119,7 +119,7 @@ def test_chat_logprobs_equal_an_independent_log_softmax(server, reference, respo
             assert abs(alt.logprob - logp[j, token_id].item()) <= LOGPROB_TOL
         if response_format is None:  # greedy without a mask: the chosen token is the most likely one
             assert abs(entry.top_logprobs[0].logprob - entry.logprob) <= LOGPROB_TOL
-    streamed = [e for ch in client(url).chat.completions.create(model="m", messages=messages, max_tokens=10,
+    streamed = [e for ch in client(url).chat.completions.create(model="smollm2", messages=messages, max_tokens=10,
                                                                 logprobs=True, top_logprobs=5, stream=True, **extra)
                 for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]  # (the prompt's KV now from the prefix cache)
@@ -130,7 +130,7 @@ def test_chat_logprobs_equal_an_independent_log_softmax(server, reference, respo
 def test_completions_legacy_logprobs(server, reference):
     url, _ = server
     prompt = "The capital of France is"
-    r = client(url).completions.create(model="m", prompt=prompt, max_tokens=6, logprobs=3)
+    r = client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=6, logprobs=3)
     reference.reset()
     expected = reference.generate(prompt, max_tokens=6, chat_template=False)
     lp = r.choices[0].logprobs
@@ -143,7 +143,7 @@ def test_completions_legacy_logprobs(server, reference):
         assert lp.tokens[j] in lp.top_logprobs[j] and 3 <= len(lp.top_logprobs[j]) <= 4
         assert lp.text_offset[j] == offset
         offset += len(lp.tokens[j])
-    streamed = list(client(url).completions.create(model="m", prompt=prompt, max_tokens=6, logprobs=3, stream=True))
+    streamed = list(client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=6, logprobs=3, stream=True))
     tokens = [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
     assert tokens == lp.tokens
 
@@ -153,7 +153,7 @@ def test_n_choices_with_a_seed(server):
     counts the prompt once; the stream interleaves the choices by index and assembles to the same texts."""
     url, _ = server
     c = client(url)
-    kw = dict(model="m", messages=[{"role": "user", "content": "Write a short poem about rain."}], max_tokens=16,
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Write a short poem about rain."}], max_tokens=16,
               temperature=0.9, seed=7)
     r = c.chat.completions.create(n=2, **kw)
     assert [ch.index for ch in r.choices] == [0, 1]

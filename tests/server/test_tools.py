@@ -43,7 +43,7 @@ def test_tool_round_trip(server, tool_choice, names):
     max_tokens), its result in the history, then the answer in text."""
     url, _ = server
     c = client(url)
-    first = c.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+    first = c.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
                                       parallel_tool_calls=False, max_tokens=200)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -52,17 +52,17 @@ def test_tool_round_trip(server, tool_choice, names):
     history = QUESTION + [choice.message.model_dump(exclude_none=True)]
     history += [{"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": "18 degrees, sunny"})}
                 for call in calls]
-    final = c.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none", max_tokens=40)
+    final = c.chat.completions.create(model="smollm2", messages=history, tools=TOOLS, tool_choice="none", max_tokens=40)
     answer = final.choices[0]
     assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
     assert isinstance(answer.message.content, str) and answer.message.content.strip()
-    alone = c.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=1)
+    alone = c.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=1)
     assert final.usage.prompt_tokens > alone.usage.prompt_tokens + 10  # the call and its result are in the prompt
 
 
 def test_one_call_without_parallel_calls(server):
     url, _ = server
-    r = client(url).chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice="required",
+    r = client(url).chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=200)
     assert len(check_calls(r.choices[0].message, set(SCHEMAS))) == 1
 
@@ -74,7 +74,7 @@ def test_streamed_tool_call_deltas_assemble_to_the_whole_answer(server, tool_cho
     pieces) assemble to the non-streamed message, calls, content and finish reason alike."""
     url, _ = server
     c = client(url)
-    kw = dict(model="m", messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
+    kw = dict(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
               max_tokens=200)
     whole = c.chat.completions.create(**kw).choices[0]
     calls: dict = {}
@@ -92,15 +92,18 @@ def test_streamed_tool_call_deltas_assemble_to_the_whole_answer(server, tool_cho
                 calls[delta.index]["arguments"] += delta.function.arguments or ""
     assert finish == whole.finish_reason and content == (whole.message.content or "")
     assert whole.message.tool_calls
-    assert [calls[i] for i in sorted(calls)] == [{"name": t.function.name, "arguments": t.function.arguments}
-                                                 for t in whole.message.tool_calls]
+    streamed = [calls[i] for i in sorted(calls)]
+    if finish == "length":  # cut by max_tokens: the stream has sent the cut-off last call, the answer leaves it out
+        streamed = streamed[:len(whole.message.tool_calls)]
+    assert streamed == [{"name": t.function.name, "arguments": t.function.arguments}
+                        for t in whole.message.tool_calls]
     assert sorted(calls) == list(range(len(calls)))
 
 
 def test_auto_may_answer_in_text_or_call(server):
     """tool_choice auto: either text, or calls that parse and validate (the call is constrained once started)."""
     url, _ = server
-    r = client(url).chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, max_tokens=120)
+    r = client(url).chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS, max_tokens=120)
     choice = r.choices[0]
     if choice.message.tool_calls:
         check_calls(choice.message, set(SCHEMAS))
