@@ -68,7 +68,7 @@ class Grammars:
                     "lark": "grammar"}[constraint.kind]
             detail = _one_line("; ".join(messages))
             if detail.startswith("Unimplemented keys"):
-                raise ConstraintError(f"the {what} uses keywords that are not supported: {detail.split(':', 1)[1]}"
+                raise ConstraintError(f"the {what} uses keywords that are not supported: {detail.split(':', 1)[1].strip()}"
                                       f" (docs/structured.md lists the supported ones)", constraint.param)
             raise ConstraintError(f"invalid {what}: {detail}", constraint.param)
         return grammar
