@@ -45,26 +45,12 @@ from ..generation.results import GenerationStep
 from .chunks import Choice
 from .models import OneModel, Served
 from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
-from .protocol import APIError, ParsedRequest, api_error, parse
+from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed, parse
 
 log = logging.getLogger("mlx_infer.server")
 
 #: Seconds between two checks that a non-streaming client is still connected.
 DISCONNECT_POLL_S = 0.5
-
-
-def generation_failed(error: BaseException) -> APIError:
-    """The error object of a request the runner failed: the runner's own errors as their types say
-    (GenerationError 500 'generation failed: ...', RunnerClosedError 503), anything else a 500 prefixed with
-    'generation failed:'."""
-    if isinstance(error, MlxInferError):
-        return api_error(error)
-    return APIError(500, f"generation failed: {error}", kind="server_error")
-
-
-class ShuttingDown:
-    """Put in a request's step queue when the server stops: the request ends at once (SSE: an error event,
-    then [DONE]; not streaming: 503)."""
 
 
 @dataclass

@@ -121,6 +121,20 @@ def api_error(error: MlxInferError, prompt_field: str = "prompt") -> APIError:
     return APIError(error.status, str(error), param, kind="server_error" if error.status >= 500 else "invalid_request_error")
 
 
+def generation_failed(error: BaseException) -> APIError:
+    """The error object of a request the runner failed: the runner's own errors as their types say
+    (GenerationError 500 'generation failed: ...', RunnerClosedError 503), anything else a 500 prefixed with
+    'generation failed:'."""
+    if isinstance(error, MlxInferError):
+        return api_error(error)
+    return APIError(500, f"generation failed: {error}", kind="server_error")
+
+
+class ShuttingDown:
+    """Put in a request's step queue when the server stops: the request ends at once (SSE: an error event,
+    then [DONE]; not streaming: 503)."""
+
+
 def _same(a, b) -> bool:
     """JSON equality: 0 is not false, 1 is not true."""
     return type(a) is type(b) and a == b
