@@ -152,7 +152,20 @@ def collect() -> dict:
         "cache": [{"path": p, "bytes": b} for p, b in cache_entries(cache)],
         "measurements": [{"kind": k, "files": n, "bytes": b} for k, n, b in measurement_caches(cache)],
         "default_model": default_model_info(),
+        "distributed": distributed_info(),
     }
+
+
+def distributed_info() -> dict:
+    """The process group (under mlx.launch: backend, size, rank, hosts) and the backends this MLX can start."""
+    import mlx.core as mx
+
+    from mlx_infer.distributed import init_group
+    from mlx_infer.distributed.defaults import BACKENDS
+
+    group = init_group("any")  # size 1 outside a launcher
+    return {"backend": group.backend, "size": group.size, "rank": group.rank, "hosts": group.hosts,
+            "available": [b for b in BACKENDS[1:] if mx.distributed.is_available(b)]}
 
 
 def _unwritable(cache: Path) -> Optional[str]:
@@ -177,6 +190,11 @@ def render(info: dict) -> Table:
     table.add_row("platform", info["platform"])
     table.add_row("MLX", info["mlx_version"])
     table.add_row("backend", info["backend"])
+    dist = info["distributed"]
+    group = (f"{dist['backend']}, size {dist['size']}, rank {dist['rank']}"
+             + (f", hosts {' '.join(dist['hosts'])}" if dist["hosts"] else "")) if dist["size"] > 1 else \
+        "one process (run under mlx.launch to split a model over several)"
+    table.add_row("group", f"{group}; backends: {', '.join(dist['available']) or 'none'}")
     table.add_row("device", f"{info['device']} - {info['device_name']}")
     table.add_row("memory", _gib(info["total_memory_bytes"]) if info["total_memory_bytes"] else "unknown")
     blas = info["blas"] if info["blas"] != "reference" else "[red]reference (slow)[/red]"
