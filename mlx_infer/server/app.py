@@ -44,13 +44,11 @@ from ..errors import MlxInferError
 from ..generation.results import GenerationStep
 from .chunks import Choice
 from .models import OneModel, Served
-from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
+from .defaults import DEFAULT_MAX_TOKENS, DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
 from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed, parse
 
 log = logging.getLogger("mlx_infer.server")
 
-#: Seconds between two checks that a non-streaming client is still connected.
-DISCONNECT_POLL_S = 0.5
 
 
 @dataclass

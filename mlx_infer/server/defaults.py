@@ -16,3 +16,5 @@ MAX_STOP = 16
 MAX_N = 8
 #: Most alternatives per token of the legacy completions' `logprobs` (OpenAI's limit; chat takes up to 20).
 MAX_COMPLETION_LOGPROBS = 5
+#: Seconds between two checks that a non-streaming client is still connected.
+DISCONNECT_POLL_S = 0.5
