@@ -50,7 +50,6 @@ from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generati
 log = logging.getLogger("mlx_infer.server")
 
 
-
 @dataclass
 class ServerConfig:
     """Limits and identity of a server.
