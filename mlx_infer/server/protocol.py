@@ -1,7 +1,8 @@
 """The OpenAI request bodies the server takes, checked field by field: what is supported is turned into
 SamplingParams, what is not is a 400 that names the field (never ignored in silence).
 
-Supported: `model` (any id: one model is served), `messages` (chat: system / developer / user / assistant,
+Supported: `model` (a served model's name or alias; none: the default), `keep_alive` (Ollama's: seconds or a
+duration such as "5m"; 0 unloads the model after the request, -1 keeps it), `messages` (chat: system / developer / user / assistant,
 assistant messages with `tool_calls` and null content, `tool` results with `tool_call_id`) / `prompt`
 (completions: a string, a list of one string, or token ids), `max_tokens` / `max_completion_tokens`,
 `temperature`, `top_p`, `seed` (choice i of n draws with seed + i), `n` (1..MAX_N), `stop` (a string or up to
@@ -36,12 +37,14 @@ class APIError(Exception):
         param: the request field at fault, if one.
         kind: OpenAI's error type ("invalid_request_error", "authentication_error", "rate_limit_error",
             "server_error").
+        headers: HTTP headers the answer carries (e.g. {"Retry-After": "5"} on a 503); None: none.
     """
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
-                 code: Optional[str] = None):
+                 code: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -60,6 +63,8 @@ class ParsedRequest:
         logprobs: None (off) or the alternatives per token to report (chat: top_logprobs; completions: the
             legacy int).
         model: the model the request names (None: the server's default).
+        keep_alive: seconds the model stays loaded after this request (Ollama's `keep_alive`: 0 unloads it
+            after the request, negative keeps it loaded; None: the server's --keep-alive).
     """
 
     prompt: Union[str, List[dict], List[int]]
@@ -73,6 +78,7 @@ class ParsedRequest:
     parallel_tool_calls: Optional[bool] = None
     logprobs: Optional[int] = None
     model: Optional[str] = None
+    keep_alive: Optional[float] = None
 
     def choice_params(self, index: int) -> SamplingParams:
         """The SamplingParams of choice `index`: seed + index (mod 2**64) when a seed is given."""
@@ -97,7 +103,8 @@ class ParsedRequest:
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-           "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty", "n", "logprobs"}
+           "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty", "n", "logprobs",
+           "keep_alive"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                          "parallel_tool_calls", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
@@ -306,6 +313,31 @@ def _tools(body: dict) -> tuple:
     return tools or None, choice, parallel
 
 
+#: Seconds per unit of a keep_alive duration string (Ollama's: "30s", "5m", "1h").
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive(v: Any) -> Optional[float]:
+    """A request's `keep_alive` in seconds, as Ollama takes it: a number of seconds or a duration string
+    ("30s", "5m", "1h", "-1"); 0 unloads the model after the request, a negative value keeps it loaded; None:
+    absent. Raises APIError 400 (param keep_alive) for anything else."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"):
+        return float(v)
+    if isinstance(v, str):
+        text = v.strip().lower()
+        unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
+        try:
+            number = float(text[:len(text) - len(unit)])
+        except ValueError:
+            number = None
+        if number is not None and number == number and abs(number) != float("inf"):
+            return number * _DURATION_UNITS.get(unit, 1.0)
+    raise APIError(400, f"'keep_alive' must be seconds (a number) or a duration such as \"5m\", \"30s\" or \"1h\" "
+                        f"(0: unload after this request, -1: keep loaded), got {json.dumps(v)}", "keep_alive")
+
+
 def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
     """Check a /v1/chat/completions (chat=True) or /v1/completions body.
 
@@ -361,4 +393,4 @@ def parse(body: Any, chat: bool, max_tokens_limit: int, default_max_tokens: int)
     except MlxInferError as e:
         raise api_error(e) from None
     return ParsedRequest(prompt, params, stream, bool(options.get("include_usage", False)), n, response_format,
-                         tools, tool_choice, parallel, logprobs, body.get("model"))
+                         tools, tool_choice, parallel, logprobs, body.get("model"), keep_alive(body.get("keep_alive")))
