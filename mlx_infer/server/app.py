@@ -76,8 +76,8 @@ class ServerConfig:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {**({"WWW-Authenticate": "Bearer"} if e.status == 401 else {}), **(e.headers or {})}
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 class InternalErrors:
@@ -246,7 +246,7 @@ class Server:
     async def complete(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
         parsed = parse(await self.read_json(request), chat, self.config.max_tokens_limit, self.config.default_max_tokens)
-        lease = self.lease(parsed.model)
+        lease = self.lease(parsed.model, parsed.keep_alive)
         served = await lease.__aenter__()
         try:
             requests = [self.build(served, parsed, i) for i in range(parsed.n)]
