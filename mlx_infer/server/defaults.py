@@ -18,3 +18,11 @@ MAX_N = 8
 MAX_COMPLETION_LOGPROBS = 5
 #: Seconds between two checks that a non-streaming client is still connected.
 DISCONNECT_POLL_S = 0.5
+#: Bucket bounds of /metrics' time-to-first-token histogram, seconds (CPU prefill of long prompts takes tens).
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+#: Bucket bounds of /metrics' inter-token latency histogram, seconds.
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Bucket bounds of /metrics' speculative tau histogram (tokens committed per target forward).
+TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+#: Bucket bounds of /metrics' model load time histogram, seconds.
+LOAD_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
