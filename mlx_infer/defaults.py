@@ -65,6 +65,13 @@ SERVE_MAX_TOKENS_LIMIT = 4096
 #: Requests waiting for a place in the server's batch beyond the running ones; more get 429 (not a stalled
 #: queue; server/defaults.py: MAX_QUEUE).
 SERVE_MAX_QUEUE = 64
+#: Seconds a served model stays loaded after its last request (Ollama's keep_alive default, 5 minutes;
+#: `serve --keep-alive`, a request's keep_alive; negative: kept loaded).
+SERVE_KEEP_ALIVE_S = 300.0
+#: Most seconds a request waits for room to load its model (the other models busy); then 503 with Retry-After.
+SERVE_MODEL_WAIT_S = 60.0
+#: The Retry-After seconds of a 503 for a model that could not be loaded for lack of room.
+SERVE_RETRY_AFTER_S = 5
 
 # The kernel self-check (kernels/selfcheck.py, `mlx-infer doctor --kernels`).
 #: Row counts of x the quantized matmul is checked at (decode and the verify widths).
