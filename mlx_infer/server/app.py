@@ -43,6 +43,7 @@ from ..batch import BatchRequest, BatchRunner, RequestHandle
 from ..errors import MlxInferError
 from ..generation.results import GenerationStep
 from .chunks import Choice
+from .metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from .models import OneModel, Served
 from .defaults import DEFAULT_MAX_TOKENS, DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
 from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed, parse
@@ -117,10 +118,13 @@ class Server:
         pool: what `lease`s a request's model (models.OneModel's methods: listing, find, lease).
         config: the limits and identity.
         capacity: requests allowed in flight at once (running and waiting), over all models.
+        metrics: the app's Prometheus metrics (GET /metrics); None: new ones.
     """
 
-    def __init__(self, pool, config: ServerConfig, capacity: int):
+    def __init__(self, pool, config: ServerConfig, capacity: int, metrics: Optional[Metrics] = None):
         self.pool, self.config, self.capacity = pool, config, capacity
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.metrics.watch(pool, in_flight=lambda: len(self.open))
         self.open: dict = {}  # RequestHandle -> (event loop, its answer's step queue), the requests in flight
         self._token_texts: Dict[tuple, str] = {}
 
@@ -165,6 +169,7 @@ class Server:
         max_prompt_tokens."""
         chat = isinstance(parsed.prompt, list) and isinstance(parsed.prompt[0], dict)
         field = "messages" if chat else "prompt"
+        self.metrics.serving(served.id)
         try:
             request = served.engine.batch_request(parsed.prompt, parsed.choice_params(index), chat_template=chat,
                                                 speculative=self.config.speculative, evict=self.config.evict,
@@ -176,17 +181,19 @@ class Server:
                                 f"{self.config.max_prompt_tokens}", field)
         return request
 
-    def submit(self, served: Served, requests: List[BatchRequest]):
+    def submit(self, served: Served, requests: List[BatchRequest], api: str = "chat"):
         """(handles, the asyncio queue of their (index, step)) of requests submitted to the model's runner; raises
         APIError 429 when full, 400 when one cannot fit, 503 when the runner is closed (those already submitted
-        are cancelled)."""
+        are cancelled). `api` labels their metrics (chat, completions, responses, messages)."""
         if len(self.open) + len(requests) > self.capacity:
             raise APIError(429, f"the server is busy ({len(self.open)} requests in flight): retry shortly",
                            kind="rate_limit_error")
         loop, steps = asyncio.get_running_loop(), asyncio.Queue()
         handles: List[RequestHandle] = []
+        self.metrics.serving(served.id)
         for index, request in enumerate(requests):
-            def on_step(s, index=index):
+            def on_step(s, index=index, track=self.metrics.track(api, served.id)):
+                track.step(s)  # its timings and, at the end, its tokens (on the runner's thread)
                 loop.call_soon_threadsafe(steps.put_nowait, (index, s))
             try:
                 handle = served.runner.submit(request, on_step=on_step)
@@ -227,6 +234,11 @@ class Server:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def scrape(self, request: Request) -> Response:
+        """GET /metrics: the Prometheus text format (behind the API key when one is set)."""
+        self.check_auth(request)
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
     async def models(self, request: Request) -> Response:
         """GET /v1/models: every model this server can serve (`loaded`: in memory now)."""
         self.check_auth(request)
@@ -250,7 +262,7 @@ class Server:
         served = await lease.__aenter__()
         try:
             requests = [self.build(served, parsed, i) for i in range(parsed.n)]
-            handles, steps = self.submit(served, requests)
+            handles, steps = self.submit(served, requests, "chat" if chat else "completions")
         except BaseException:
             await lease.__aexit__(None, None, None)
             raise
@@ -337,10 +349,10 @@ def build_app(engine, runner: BatchRunner, config: ServerConfig) -> Starlette:
                           config, runner.scheduler.max_batch + config.max_queue)
 
 
-def build_pool_app(pool, config: ServerConfig, capacity: int) -> Starlette:
+def build_pool_app(pool, config: ServerConfig, capacity: int, metrics: Optional[Metrics] = None) -> Starlette:
     """The Starlette app serving the models of `pool` (models.OneModel's methods), at most `capacity` requests
-    in flight (the caller closes the pool)."""
-    server = Server(pool, config, capacity)
+    in flight (the caller closes the pool); `metrics`: those the pool reports its loads to (None: new ones)."""
+    server = Server(pool, config, capacity, metrics)
 
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
@@ -355,12 +367,14 @@ def build_pool_app(pool, config: ServerConfig, capacity: int) -> Starlette:
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.scrape, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),  # ids may hold a '/' (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(InternalErrors)],
+    middleware = [Middleware(CountRequests, metrics=server.metrics), Middleware(InternalErrors)]
+    app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={APIError: api_error, HTTPException: http_error, ClientDisconnect: disconnected})
     app.state.server = server
     return app
