@@ -46,6 +46,7 @@ from .chunks import Choice
 from .metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from .models import OneModel, Served
 from .defaults import DEFAULT_MAX_TOKENS, DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
+from .responses import Responses
 from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed, parse
 
 log = logging.getLogger("mlx_infer.server")
@@ -372,6 +373,7 @@ def build_pool_app(pool, config: ServerConfig, capacity: int, metrics: Optional[
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),  # ids may hold a '/' (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/responses", Responses(server).create, methods=["POST"]),
     ]
     middleware = [Middleware(CountRequests, metrics=server.metrics), Middleware(InternalErrors)]
     app = Starlette(routes=routes, middleware=middleware,
