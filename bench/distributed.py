@@ -70,6 +70,7 @@ def worker(args) -> None:
         stats = LockstepStats()
         tokens = list(lockstep_tokens(shard, ids if group.is_root else None, SamplingParams(max_tokens=args.tokens),
                                       stats=stats))
+    compute_s = compute_only(shard, ids, args.repeats) if group.size > 1 else 0.0
     steps = sorted(stats.step_s)
     step = steps[len(steps) // 2]
     collective_s = sum(cost.get((n, b, s, d), 0.0) for n, b, s, d in decode_calls)
@@ -82,8 +83,33 @@ def worker(args) -> None:
             "prefill_bytes": sum(c[1] for c in prefill_calls),
             "collective_ms_per_step": 1e3 * collective_s,
             "collective_share": collective_s / step if step else 0.0,
+            "compute_only_ms": 1e3 * compute_s, "waiting_share": 1 - compute_s / step if compute_s else 0.0,
             "op_latency_us": {f"{n} {list(s)} {d}": 1e6 * t for (n, b, s, d), t in cost.items()},
         }))
+
+
+def compute_only(shard, ids, repeats: int) -> float:
+    """Seconds of this rank's decode forward with every collective replaced by its input (all ranks at once,
+    as in a step, each on its own): the step's own work; the rest of a step is waiting at collectives."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    real = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather", "send", "recv_like")}
+    for name in real:
+        setattr(mx.distributed, name, lambda x, *a, **k: x)
+    try:
+        cache = make_prompt_cache(shard.model)
+        mx.eval(shard.model(mx.array([ids], dtype=mx.uint32), cache=cache))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mx.eval(shard.model(mx.array([[ids[-1]]], dtype=mx.uint32), cache=cache))
+            times.append(time.perf_counter() - t)
+    finally:
+        for name, fn in real.items():
+            setattr(mx.distributed, name, fn)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def op_latency(group, calls, repeats: int) -> dict:
@@ -210,11 +236,12 @@ def main() -> None:
     if not args.model_only:
         rows = {c: run(c, args) for c in args.configs.split(",")}
         base = rows.get("one")
-        print(f"{'config':9} {'tok/s':>6} {'step ms':>8} {'coll/step':>9} {'B/token':>8} {'coll ms':>8} "
-              f"{'share':>6} {'bcast ms':>8} {'prefill B/chunk':>15}  same tokens")
+        print(f"{'config':9} {'tok/s':>6} {'step ms':>8} {'compute ms':>10} {'waiting':>7} {'coll/step':>9} "
+              f"{'B/token':>8} {'coll ms':>8} {'share':>6} {'bcast ms':>8} {'prefill B/chunk':>15}  same tokens")
         for c, r in rows.items():
             same = "" if base is None else ("yes" if r["tokens"] == base["tokens"] else "NO")
-            print(f"{c:9} {r['tokens_per_s']:>6.1f} {r['step_ms']:>8.2f} {r['decode_collectives']:>9} "
+            print(f"{c:9} {r['tokens_per_s']:>6.1f} {r['step_ms']:>8.2f} {r['compute_only_ms']:>10.2f} "
+                  f"{r['waiting_share']:>7.1%} {r['decode_collectives']:>9} "
                   f"{r['decode_bytes']:>8} {r['collective_ms_per_step']:>8.2f} {r['collective_share']:>6.1%} "
                   f"{r['broadcast_ms']:>8.2f} {r['prefill_bytes']:>15}  {same}  {r['detail']}")
         for c, r in rows.items():
