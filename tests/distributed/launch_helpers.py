@@ -46,10 +46,12 @@ def _free(port: int) -> bool:
     return True
 
 
-def launch(args: List[str], n: int = 2, env: Optional[dict] = None, script: Path = SCRIPT) -> subprocess.CompletedProcess:
-    """`mlx.launch -n N --backend ring --python <this python> script args...` on this machine."""
+def launch(args: List[str], n: int = 2, env: Optional[dict] = None,
+           script: Optional[Path] = SCRIPT) -> subprocess.CompletedProcess:
+    """`mlx.launch -n N --backend ring --python <this python> -- script args...` on this machine (script None:
+    the python arguments are `args`, e.g. -m mlx_infer generate ...)."""
     cmd = [mlx_launch(), "-n", str(n), "--backend", "ring", "--starting-port", str(free_port_block(2 * n)),
-           "--python", sys.executable, str(script), *args]
+           "--python", sys.executable, "--", *([str(script)] if script is not None else []), *args]
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=full_env)
 

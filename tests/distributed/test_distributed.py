@@ -10,12 +10,15 @@ every rank the same sum).
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from gguf_factory import Q, tiny_gguf
-from launch_helpers import launch, mlx_launch, one_process, result
+from launch_helpers import TIMEOUT_S, launch, mlx_launch, one_process, result
 
 pytestmark = pytest.mark.skipif(mlx_launch() is None, reason="mlx.launch (the mlx package's launcher) is missing")
 
@@ -126,3 +129,50 @@ def test_rank_killed_mid_request_ends_the_job_with_one_error(tmp_path, tiny_q8):
     assert line.startswith("error: rank 0: "), line
     assert "lost" in line or "stopped by mlx.launch" in line, line
     assert not (tmp_path / "out" / "rank0.json").exists()
+
+
+def _cli(args, env=None):
+    """`mlx-infer ARGS` under mlx.launch -n 2 (the installed command's module, through --python)."""
+    return launch(["-m", "mlx_infer", *args], env=env, script=None)
+
+
+def test_cli_generate_under_launch_matches_one_process(tmp_path, tiny_q8):
+    """`mlx-infer generate --json` under mlx.launch prints one answer (rank 0's), the same greedy tokens as
+    one process, for both modes."""
+    args = ["generate", "hello world", "--model", tiny_q8, "--max-tokens", "8", "--no-chat-template", "--json"]
+    plain = subprocess.run([sys.executable, "-m", "mlx_infer", *args], capture_output=True, text=True,
+                           timeout=TIMEOUT_S, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert plain.returncode == 0, plain.stderr
+    expected = json.loads(plain.stdout)["token_ids"]
+    for parallel in ("tensor", "pipeline"):
+        proc = _cli([*args, "--parallel", parallel])
+        lines = proc.stdout.strip().splitlines()
+        assert len(lines) == 1, proc.stdout + proc.stderr  # rank 1 printed nothing
+        out = json.loads(lines[0])
+        assert out["parallel"] == parallel and out["ranks"] == 2 and out["backend"] == "ring"
+        assert out["token_ids"] == expected
+
+
+def test_cli_bad_parallel_one_line(tmp_path, tiny_q8):
+    proc = _cli(["generate", "hi", "--model", tiny_q8, "--parallel", "diagonal"])
+    assert "unknown --parallel 'diagonal'" in _one_error_line(proc)
+
+
+def test_doctor_reports_the_group(tmp_path):
+    proc = _cli(["doctor", "--json"])
+    reports = [json.loads(chunk) for chunk in _json_objects(proc.stdout)]
+    groups = sorted((r["distributed"]["rank"], r["distributed"]["size"], r["distributed"]["backend"]) for r in reports)
+    assert groups == [(0, 2, "ring"), (1, 2, "ring")], proc.stdout + proc.stderr
+    assert all(len(r["distributed"]["hosts"]) == 2 for r in reports)
+
+
+def _json_objects(text: str):
+    """The top-level JSON objects of `text` (each rank's doctor --json, one after the other)."""
+    decoder, i, out = json.JSONDecoder(), 0, []
+    while True:
+        i = text.find("{", i)
+        if i < 0:
+            return out
+        obj, end = decoder.raw_decode(text, i)
+        out.append(json.dumps(obj))
+        i = end
