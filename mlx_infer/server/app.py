@@ -42,6 +42,7 @@ from starlette.routing import Route
 from ..batch import BatchRequest, BatchRunner, RequestHandle
 from ..errors import MlxInferError
 from ..generation.results import GenerationStep
+from .anthropic import routes as anthropic_routes
 from .chunks import Choice
 from .metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from .models import OneModel, Served
@@ -139,11 +140,13 @@ class Server:
     def check_auth(self, request: Request) -> None:
         if self.config.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error",
-                           code="invalid_api_key")
+        key = self.config.api_key.encode()
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+        header = request.headers.get("x-api-key")  # Anthropic's clients send the key this way
+        if not (bearer or (header is not None and hmac.compare_digest(header.strip().encode(), key))):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                           kind="authentication_error", code="invalid_api_key")
 
     async def read_json(self, request: Request):
         size = request.headers.get("content-length")
@@ -373,6 +376,7 @@ def build_pool_app(pool, config: ServerConfig, capacity: int, metrics: Optional[
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),  # ids may hold a '/' (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        *anthropic_routes(server),  # /v1/messages, /v1/messages/count_tokens
         Route("/v1/responses", Responses(server).create, methods=["POST"]),
     ]
     middleware = [Middleware(CountRequests, metrics=server.metrics), Middleware(InternalErrors)]
