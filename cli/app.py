@@ -16,6 +16,7 @@ from .distributed import under_launch
 from .doctor import doctor
 from .errors import EXIT_BUG, click_exceptions, one_line_warnings, report_bug
 from .generate import generate
+from .models import models
 from .serve import serve
 from .train import train_drafter
 
@@ -42,6 +43,8 @@ app.command("generate", help=_help(generate_sharded) if under_launch() else _hel
 app.command(help=_help(chat), epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
 app.command(help=_help(serve), epilog="Example: mlx-infer serve --port 8080")(serve)
 app.command(help=_help(doctor))(doctor)
+app.command(help=_help(models), epilog="Example: mlx-infer models --models-dir ~/models")(models)
+app.command("ls", help=_help(models), hidden=True)(models)
 app.command(help=_help(convert), epilog="Example: mlx-infer convert model.gguf ./model-mlx")(convert)
 app.command(help=_help(bench), epilog="Example: mlx-infer bench --spec off --spec lookup -n 64")(bench)
 app.command("train-drafter", help=_help(train_drafter),

@@ -4,22 +4,24 @@ import copy
 import ipaddress
 import logging
 import socket
-from typing import Annotated, Optional
+import time
+from functools import partial
+from typing import Annotated, List, Optional
 
 import typer
 import uvicorn
 import uvicorn.config
 
 from mlx_infer.defaults import (
-    IDLE_RELEASE_S, KV_BLOCK_SIZE as BLOCK_SIZE, MAX_BATCH, SERVE_HOST as HOST, SERVE_MAX_QUEUE as MAX_QUEUE,
-    SERVE_MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT, SERVE_PORT as PORT, SPEC_MODES as MODES,
+    IDLE_RELEASE_S, KV_BLOCK_SIZE as BLOCK_SIZE, MAX_BATCH, SERVE_HOST as HOST, SERVE_KEEP_ALIVE_S as KEEP_ALIVE_S,
+    SERVE_MAX_QUEUE as MAX_QUEUE, SERVE_MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT, SERVE_PORT as PORT, SPEC_MODES as MODES,
 )
 from mlx_infer.errors import MlxInferError
 
 from .errors import user_errors
 from .options import (
-    KV as KV_PANEL, BlockSizeOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, ModelOpt, RepackOpt, VerboseOpt, Weights,
-    WeightsOpt, check_rmm, kv_kwargs, spec_kwargs,
+    KV as KV_PANEL, MODEL as MODEL_PANEL, BlockSizeOpt, KVBitsOpt, KVBudgetOpt, LinearRmmOpt, RepackOpt, VerboseOpt,
+    Weights, WeightsOpt, check_rmm, kv_kwargs, spec_kwargs,
 )
 from .progress import load_engine, prepare_speculation, stderr
 
@@ -31,6 +33,36 @@ API_KEY_ENV = "MLX_INFER_API_KEY"
 
 #: The --spec modes serve takes: every mode but "draft" (serve takes no draft model).
 SERVE_MODES = tuple(m for m in MODES if m != "draft")
+
+#: Bytes per GB of --max-model-memory.
+GB = 1e9
+
+ModelsOpt = Annotated[Optional[List[str]], typer.Option(
+    "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
+    help="A .gguf file, an MLX / Hugging Face model directory or a Hugging Face repo id (org/name); repeat it to "
+         "serve several (a request's `model` picks one by its file or directory name; the first is the default "
+         "and is loaded at start, the others on their first request). Default: the embedded "
+         "SmolLM2-135M-Instruct (Q4_1), served as 'default'.")]
+ModelsDirOpt = Annotated[Optional[str], typer.Option(
+    "--models-dir", metavar="DIR", rich_help_panel=MODEL_PANEL,
+    help="Serve every .gguf file and MLX model directory in DIR too, named by file / directory name "
+         "(see: mlx-infer models --models-dir DIR).")]
+AliasOpt = Annotated[Optional[List[str]], typer.Option(
+    "--alias", metavar="NAME=MODEL", rich_help_panel=MODEL_PANEL,
+    help="Answer requests naming NAME with MODEL (a served model's name); NAME may be a pattern such as "
+         "'claude-*' for clients that send a hard-coded model name. Repeatable; the first match wins.")]
+KeepAliveOpt = Annotated[float, typer.Option(
+    "--keep-alive", metavar="SECONDS", rich_help_panel=MODEL_PANEL,
+    help="Seconds a model stays loaded after its last request (a request's keep_alive overrides it; 0: unload "
+         "after each request; negative: keep loaded).")]
+MaxLoadedOpt = Annotated[Optional[int], typer.Option(
+    "--max-loaded-models", metavar="N", min=1, rich_help_panel=MODEL_PANEL,
+    help="Most models in memory at once: loading another first unloads the least recently used idle one "
+         "(a model with requests running is never unloaded: the request waits, then gets 503).")]
+MaxMemoryOpt = Annotated[Optional[float], typer.Option(
+    "--max-model-memory", metavar="GB", min=0, rich_help_panel=MODEL_PANEL,
+    help="Most gigabytes of weights of the models in memory together; as --max-loaded-models, idle models "
+         "are unloaded, least recently used first, to make room.")]
 
 
 class StoppingServer(uvicorn.Server):
@@ -92,8 +124,40 @@ def check_port(host: str, port: int) -> None:
                                 "pick another --port") from None
 
 
+def serve_models(models: Optional[List[str]], models_dir: Optional[str]) -> list:
+    """The ModelFiles serve serves, the default first: the --model arguments in order, then the models of
+    --models-dir by name; the embedded default when neither is given. Raises MlxInferError (a path not
+    there, an empty --models-dir)."""
+    from mlx_infer.server.models import describe, scan_dir
+
+    found = [describe(m) for m in models or []]
+    if models_dir is not None:
+        listed = scan_dir(models_dir)
+        if not listed:
+            raise MlxInferError(f"--models-dir {models_dir}: no .gguf files or model directories in it")
+        found += [m for m in listed if m.path not in {f.path for f in found}]
+    return found or [describe(None)]
+
+
+def load_served(model, weights: str, verbose: bool, rmm: Optional[str], load_kw: dict, speculative: dict,
+                max_batch: int, idle_release_s: Optional[float]):
+    """One model as serve runs it (models.Served under its name): the engine loaded, its paged KV configured,
+    the one-time speculative measurements made, its BatchRunner started. The pool calls it per model."""
+    from mlx_infer.server.models import Served
+
+    engine = load_engine(model.spec, weights, verbose, rmm)
+    engine.configure_kv(**load_kw)
+    prepare_speculation(engine, speculative)  # the one-time measurements before the first request
+    return Served(model.name, engine, engine.batch_runner(max_batch, idle_release_s=idle_release_s))
+
+
 def serve(
-    model: ModelOpt = None,
+    model: ModelsOpt = None,
+    models_dir: ModelsDirOpt = None,
+    alias: AliasOpt = None,
+    keep_alive: KeepAliveOpt = KEEP_ALIVE_S,
+    max_loaded_models: MaxLoadedOpt = None,
+    max_model_memory: MaxMemoryOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")] = HOST,
     port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port.")] = PORT,
     api_key: Annotated[Optional[str], typer.Option(
@@ -131,6 +195,10 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions
     (streaming as server-sent events, or not), GET /v1/models, GET /health.
 
+    Several models (--model repeated, --models-dir) are served by name: each is loaded on its first request,
+    unloaded after --keep-alive seconds idle, and unloaded least recently used first when --max-loaded-models
+    or --max-model-memory would be passed.
+
     Requests decode together (continuous batching over a paged KV cache; --kv-budget bounds its memory: a
     request waits while the budget is full, and one that could never fit gets a 400). Batched decoding runs
     on the paged KV blocks, quantized with --kv-bits (8, 4, kXvY: the affine scheme; the KV budget then holds
@@ -140,7 +208,10 @@ def serve(
     127.0.0.1 unless told otherwise; logs one line per request (--no-access-log: none). Ctrl-C stops it, cutting
     open requests after a few seconds.
     """
-    from mlx_infer.server import JSONErrorProtocol, ServerConfig, build_app
+    from mlx_infer.server import JSONErrorProtocol, ServerConfig
+    from mlx_infer.server.app import build_pool_app
+    from mlx_infer.server.metrics import Metrics
+    from mlx_infer.server.pool import ModelPool
 
     with user_errors(verbose):
         if not is_loopback(host) and not api_key:
@@ -148,19 +219,27 @@ def serve(
                                 "or bind 127.0.0.1")
         speculative = serve_spec(spec)
         load_kw, kv_request = kv_kwargs("paged", kv_budget, evict, repack, block_size, speculative, kv_bits)
-        engine = load_engine(model, weights.value, verbose, check_rmm(rmm, "serve"))
-        check_port(host, port)  # before the measurements and the "serving" line
-        engine.configure_kv(**load_kw)
-        prepare_speculation(engine, speculative)  # the one-time measurements before the first request
-        runner = engine.batch_runner(max_batch, idle_release_s=kv_idle_release or None)
-        config = ServerConfig(model_id=engine.source.name, api_key=api_key, max_tokens_limit=max_tokens_limit,
+        models = serve_models(model, models_dir)
+        loader = partial(load_served, weights=weights.value, verbose=verbose, rmm=check_rmm(rmm, "serve"),
+                         load_kw=load_kw, speculative=speculative, max_batch=max_batch,
+                         idle_release_s=kv_idle_release or None)
+        metrics = Metrics()
+        pool = ModelPool(models, loader, alias or (), keep_alive_s=keep_alive, max_loaded=max_loaded_models,
+                         max_bytes=None if max_model_memory is None else int(max_model_memory * GB), metrics=metrics)
+        check_port(host, port)  # before loading and the "serving" line
+        started = time.monotonic()
+        first = loader(models[0])  # the default, loaded now: its errors are the command's
+        pool.adopt(first, time.monotonic() - started)
+        config = ServerConfig(model_id=first.id, api_key=api_key, max_tokens_limit=max_tokens_limit,
                               max_queue=max_queue, speculative=speculative.get("speculative", "off"), **kv_request)
         try:
             shown = f"[{host}]" if ":" in host else host
-            reduced = f" (rmm {engine.source.rmm}, lossy)" if engine.source.rmm is not None else ""
-            stderr.print(f"serving {engine.source.name}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
-                         + ("; API key required" if api_key else ""), markup=False)
-            app = build_app(engine, runner, config)
+            reduced = f" (rmm {first.engine.source.rmm}, lossy)" if first.engine.source.rmm is not None else ""
+            others = f"; on demand: {', '.join(m.name for m in models[1:])}" if len(models) > 1 else ""
+            stderr.print(f"serving {first.id}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
+                         + ("; API key required" if api_key else "") + others, markup=False)
+            running = max_batch * min(len(models), max_loaded_models or len(models))
+            app = build_pool_app(pool, config, running + max_queue, metrics)
             http_config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
                                          access_log=access_log, log_config=log_config(), lifespan="off",
                                          http=JSONErrorProtocol, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
@@ -172,4 +251,4 @@ def serve(
             except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
                 pass
         finally:
-            runner.close()
+            pool.close()
