@@ -17,7 +17,7 @@ from ..kv.options import EvictSpec
 from ..kv.session import KVRequest
 from ..speculative import SpecOptions, SpecStats
 from ..structured.grammar import GrammarState
-from ..structured.mask import apply_masks
+from ..structured.mask import apply_masks, one_hot_mask
 
 Emit = Callable[[Union[GenerationStep, BaseException]], None]
 
@@ -124,9 +124,7 @@ class BatchRequest:
         Raises:
             whatever the grammar raises computing the mask (the request then fails alone)."""
         if self.forcing:
-            bits = np.zeros((self.grammar.vocab + 31) // 32, dtype=np.uint32)
-            bits[self.forcing[0] // 32] = 1 << (self.forcing[0] % 32)
-            return bits.view(np.int32)
+            return one_hot_mask(self.forcing[0], self.grammar.vocab)
         return self.grammar.mask() if self.grammar is not None else None
 
     def sample(self, logits: mx.array, pending: Optional[mx.array] = None,
@@ -215,6 +213,8 @@ class BatchRequest:
         if self.finished:
             return
         self.finished = True
+        if self.grammar is not None:
+            self.grammar.close()  # a mask prefetched for a token that will not come
         end = time.perf_counter()
         text, token, reason = self.assembler.final()
         reason = "cancelled" if cancelled else reason
@@ -249,4 +249,6 @@ class BatchRequest:
         """End the request with an error (emitted in the place of its final step)."""
         if not self.finished:
             self.finished = True
+            if self.grammar is not None:
+                self.grammar.close()
             self.emit(error)

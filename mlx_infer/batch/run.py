@@ -31,11 +31,8 @@ def solo_tokens(spec: SpecState) -> Callable[[BatchRequest], Optional[Iterator[i
         if req.speculative is None or req.spec is None or req.cache is None:
             return None
         history = req.prompt_ids + req.generated
-        # (grammar / logprobs passed only when set: speculative decoding takes them as keyword arguments)
-        structured = {name: value for name, value in (("grammar", req.grammar), ("logprobs", req.logprobs))
-                      if value is not None}
         return spec.tokens(history, req.params, req.max_tokens - req.assembler.n, req.speculative, req.spec,
-                           req.cache, start=len(history) - 1, **structured)
+                           req.cache, start=len(history) - 1, grammar=req.grammar, logprobs=req.logprobs)
 
     return tokens
 

@@ -182,6 +182,8 @@ def _structured_tokens(model: nn.Module, forward: Callable, prompt_ids: List[int
                 if made % CLEAR_CACHE_ROUNDS == 0:
                     mx.clear_cache()
         finally:
+            if grammar is not None:
+                grammar.close()  # the mask prefetched for a pick that will not come
             if undelivered and can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, undelivered)
 

@@ -134,11 +134,8 @@ def _token_source(run: Decoding, req: Request, cache: list, cached: int,
     if spec is not None and req.evict is not None:
         spec.mode = "off"  # speculative="auto" with eviction: plain decoding (not supported together yet)
     elif spec is not None:
-        # (grammar / logprobs passed only when set: speculative decoding takes them as keyword arguments)
-        structured = {name: value for name, value in (("grammar", req.grammar), ("logprobs", req.logprobs))
-                      if value is not None}
         tokens = run.spec.tokens(req.prompt_ids, req.params, req.max_tokens, req.options, spec, cache, cached,
-                                 req.progress, **structured)
+                                 req.progress, grammar=req.grammar, logprobs=req.logprobs)
     if tokens is None:
         tokens = plain_tokens(run.model, req.prompt_ids, req.params, req.max_tokens, cache, cached, req.progress,
                               compiled=run.compiled().decode, grammar=req.grammar, logprobs=req.logprobs)

@@ -19,25 +19,12 @@ import numpy as np
 
 from ..errors import MlxInferError
 from ..structured.grammar import GrammarState
+from ..structured.mask import allows, one_hot_mask
 from .drafters.base import Draft, Drafter
 
 #: callable(context, room) -> (the drafter's Draft or None, its tokens to use (<= room), their [k, V] q rows
 #: fitted to the target's vocabulary or None): the loop's proposal, cut by its policy.
 Ask = Callable[[List[int], int], Tuple[Optional[Draft], List[int], Optional[mx.array]]]
-
-
-def one_hot_mask(token: int, vocab: int) -> np.ndarray:
-    """The bitmask (int32 [ceil(V / 32)], structured.mask's layout) allowing `token` only."""
-    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
-    words[token // 32] = np.uint32(1) << np.uint32(token % 32)
-    return words.view(np.int32)
-
-
-def allows(mask: np.ndarray, token: int, vocab: int) -> bool:
-    """Whether the bitmask allows `token` (a token outside [0, vocab) is refused)."""
-    if not 0 <= token < vocab:
-        return False
-    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
 
 
 @dataclass

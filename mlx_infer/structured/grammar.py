@@ -111,8 +111,23 @@ class GrammarState:
 
     def prefetch(self) -> None:
         """Start computing the next mask on the mask thread (call after `consume`, before the forward's
-        read-back); `mask` then waits for it."""
-        self._pending = _MASKS.submit(self._fill)
+        read-back); `mask` then waits for it. Nothing new when one is already pending (the state has not
+        changed since: every change waits for it first)."""
+        if self._pending is None:
+            self._pending = _MASKS.submit(self._fill)
+
+    @property
+    def prefetched(self) -> bool:
+        """Whether a mask started by `prefetch` is pending (not yet taken by `mask`, nor dropped by `close`)."""
+        return self._pending is not None
+
+    def close(self) -> None:
+        """Drop the prefetched mask of a request that has ended: cancelled where the mask thread has not
+        started it yet (the other requests' masks wait behind it on that one thread), else left to finish
+        unread. The state stays usable (the next `mask` computes its own)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
 
     def _settle(self) -> None:
         if self._pending is not None:  # the matcher must not change while a mask is computed from it

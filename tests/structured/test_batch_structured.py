@@ -112,6 +112,7 @@ def test_a_cancelled_constrained_request_leaks_no_blocks(default_engine):
     a.cancelled = True
     sched.step()
     assert first[-1].finish_reason == "cancelled" and a not in sched.running
+    assert not a.grammar.prefetched  # its next mask dropped, not left to the shared mask thread
     assert pool.blocks_in_use - before == len(b.sequence.table.blocks)
     while sched.busy:
         sched.step()

@@ -11,6 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_infer.generation import decode
+from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.structured import lark, regex
 
 SCHEMA = {
@@ -162,3 +163,17 @@ def test_closed_inside_a_forced_span_keeps_what_was_delivered(default_engine):
     again = default_engine.generate(PROMPT, max_tokens=40, response_format=FORMAT)
     assert again.stats.cached_prompt_tokens > 0
     assert again.token_ids == fresh.token_ids
+
+
+def test_a_closed_stream_leaves_no_mask_pending(default_engine):
+    """Closed mid-answer, plain decoding drops the mask it prefetched for the next pick (GrammarState.close):
+    the mask thread, shared by every request, computes nothing for a request that has ended."""
+    grammars = default_engine.grammars
+    grammar = grammars.state(grammars.compile(regex("[a-z ]{40}")), forced_spans=True)
+    prompt = default_engine.encode("Say something.")
+    tokens = decode.plain_tokens(default_engine.model, prompt, SamplingParams(), 20, grammar=grammar)
+    for _ in range(3):
+        next(tokens)
+    assert grammar.prefetched  # the next pick's mask is being computed while the forward runs
+    tokens.close()
+    assert not grammar.prefetched

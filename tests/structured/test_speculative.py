@@ -19,9 +19,8 @@ import mlx_infer
 from mlx_infer.generation.logprobs import LogprobQueue, token_logprobs
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, SpecStats, cut_draft_model, speculative_tokens
-from mlx_infer.speculative.constrained import allows, one_hot_mask
 from mlx_infer.structured.constraint import json_schema, regex
-from mlx_infer.structured.mask import apply_masks
+from mlx_infer.structured.mask import allows, apply_masks, one_hot_mask
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
