@@ -26,6 +26,8 @@ CLEAR_CACHE_ROUNDS = 256
 #: Top-p looks for its nucleus among this many most likely tokens first (a partial selection), sorting the whole
 #: vocabulary only when their mass does not reach top_p (generation/sampling.top_p_filter).
 TOP_P_CANDIDATES = 256
+#: Most alternatives a token's logprobs carry (OpenAI's top_logprobs limit; generation/logprobs.py).
+MAX_TOP_LOGPROBS = 20
 #: Prompts of at least this many tokens get a prefill progress bar in the CLI (when stderr is a terminal).
 PREFILL_PROGRESS_TOKENS = 512
 #: Most requests decoded together in one batched forward (the CPU kernels' widest skinny product is 16 rows).

@@ -9,8 +9,9 @@ from typing import Deque, List, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-#: Most alternatives a token's logprobs carry (OpenAI's top_logprobs limit).
-MAX_TOP_LOGPROBS = 20
+from ..defaults import MAX_TOP_LOGPROBS
+
+__all__ = ["MAX_TOP_LOGPROBS", "LogprobQueue", "TokenLogprob", "token_logprobs"]
 
 
 @dataclass
