@@ -62,10 +62,13 @@ def current_labels() -> Optional[RequestLabels]:
 
 
 def served_models(pool) -> List:
-    """The models a pool has loaded now (models.Served): `pool.loaded()` where the pool has several,
-    OneModel's one model otherwise."""
+    """The models a pool has loaded now (models.Served): `pool.loaded()` where the pool has several (ModelPool),
+    OneModel's one model (`pool.served`) otherwise; none for a pool with neither."""
     loaded = getattr(pool, "loaded", None)
-    return list(loaded()) if loaded is not None else [pool.served]
+    if loaded is not None:
+        return list(loaded())
+    served = getattr(pool, "served", None)
+    return [served] if served is not None else []
 
 
 class Metrics:
