@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_infer.structured.mask import apply_masks
 from mlx_infer.tools import plan_tools
 
-from test_tools import TOOLS  # noqa: E402 (tests/tools is on sys.path under pytest's rootdir-relative import)
+from test_tool_calls import TOOLS  # noqa: E402 (tests/tools is on sys.path: pytest prepends it)
 
 PROMPTS = ["What is the weather in Paris, in celsius?", "Add 2 and 3.", "How warm is it in Tokyo today?",
            "What is 40 plus 2?"]

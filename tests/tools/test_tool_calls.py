@@ -129,7 +129,31 @@ def test_stream_holds_back_a_possible_marker(engine):
     assert "".join(e.text for e in s2.feed("a <tool") + s2.finish()) == "a <tool"
 
 
+CALL_W_SPACED = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "city": "Paris"}}\n</tool_call>'
+
+
+def test_a_repeated_call_ends_the_answer(engine):
+    p = plan(engine)
+    text = CALL_W + "\n" + CALL_A + "\n" + CALL_W_SPACED + "\nmore text " + CALL_A
+    content, calls = p.parse(text)
+    assert content == "" and [c.name for c in calls] == ["get_weather", "add"]
+    assert p.ended(text) and not p.ended(CALL_W + "\n" + CALL_A) and not p.ended(CALL_W + "\n" + CALL_W[:-3])
+    # the arguments differ: a new call
+    other = CALL_W.replace("Paris", "Lyon")
+    assert [json.loads(c.arguments)["city"] for c in p.parse(CALL_W + other)[1]] == ["Paris", "Lyon"]
+    # a whole-parsed repeat (arguments before the name) ends it too
+    assert len(p.parse(CALL_SWAPPED + CALL_SWAPPED)[1]) == 1 and p.ended(CALL_SWAPPED + CALL_SWAPPED)
+    # the first call streams as it comes; a later call is held until its end marker
+    s = p.stream()
+    assert [e.kind for e in s.feed(CALL_W[:-12])] == ["call", "arguments"]
+    assert s.feed("</tool_call>\n" + CALL_W[:-12]) == [] and s.feed("</tool_call> tail") == [] and s.ended
+    assert s.finish() == []
+
+
 TEXTS = ["Let me look.\n" + CALL_W + "\n" + CALL_A + "\n",
+         CALL_W + "\n" + CALL_A + "\n" + CALL_W_SPACED + "\nafter " + CALL_A,  # a repeat ends the answer
+         "x" + CALL_W + CALL_A + "\n" + CALL_W[:-13],  # a repeat cut before its end marker
+         CALL_A + CALL_SWAPPED + CALL_SWAPPED + CALL_W,
          CALL_W, "No call here, only <tags> and < tool_call text.", CALL_SWAPPED + "\nDone.",
          "x " + CALL_A[:-5],  # cut by max_tokens inside the end marker
          "<tool_call>\n{\"name\":\"add\",\"argu"]
