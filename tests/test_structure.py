@@ -131,3 +131,10 @@ def test_contributing_layout_names_every_package():
         named.add("/".join(f for _, f in stack))
     found = {str(p.parent.relative_to(REPO)) for p in (REPO / "mlx_infer").rglob("__init__.py")}
     assert found - named == set()
+
+
+def test_test_files_have_unique_names():
+    """pytest imports each test folder's files under their bare names (no __init__.py): two test_x.py in two
+    folders stop the whole run at collection."""
+    names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []

@@ -63,7 +63,7 @@ class BatchRequest:
         self.rmm = rmm
         self.params = params
         self.max_tokens = max_tokens
-        self.assembler = StepAssembler(detokenizer, params.stop, eos, max_tokens)
+        self.assembler = StepAssembler(detokenizer, params.stop, eos, max_tokens, tools)
         self._emit = emit
         self.sampler = build_sampler(params)
         self.keyed_sampler = build_keyed_sampler(params)

@@ -19,6 +19,8 @@ class StepAssembler:
         stops: stop strings (the text ends just before the first one).
         eos: end-of-sequence token ids (ends the request; not counted, not delivered).
         max_tokens: most tokens to deliver (>= 1).
+        tools: the request's ToolPlan (None: no tools): a tool call that repeats an earlier one ends the
+            request at its end marker ("stop", made "tool_calls" by with_tool_calls; tools/parse.py).
 
     Usage:
         text = asm.add(token)      # str: deliver it with `token`; None: the request ended (see final)
@@ -26,8 +28,10 @@ class StepAssembler:
                                             # "stop" (EOS or a stop string) or "length"
     """
 
-    def __init__(self, detokenizer: StreamingDetokenizer, stops: Iterable[str], eos: Iterable[int], max_tokens: int):
+    def __init__(self, detokenizer: StreamingDetokenizer, stops: Iterable[str], eos: Iterable[int], max_tokens: int,
+                 tools: Any = None):
         detokenizer.reset()
+        self._calls = tools.stream() if tools is not None else None  # a ToolStream: is a call repeated?
         self.detokenizer = detokenizer
         self.stops = StopStringMatcher(tuple(stops))
         self.eos = frozenset(eos)
@@ -38,13 +42,16 @@ class StepAssembler:
 
     def add(self, token: int) -> Optional[str]:
         """The text released by `token` (possibly "" while a stop string or a UTF-8 sequence is incomplete),
-        or None when the request has ended with it (EOS, a stop string, max_tokens)."""
+        or None when the request has ended with it (EOS, a stop string, a repeated tool call, max_tokens)."""
         if token in self.eos:
             self.finish = "stop"
             return None
         self.n += 1
         self.detokenizer.add_token(token)
         text, hit = self.stops.feed(self.detokenizer.text)
+        if self._calls is not None and not hit:
+            self._calls.feed(text)
+            hit = self._calls.ended
         if hit or self.n >= self.max_tokens:
             self.finish = "stop" if hit else "length"
             self._held = (text, token)

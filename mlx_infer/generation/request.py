@@ -171,7 +171,7 @@ def run_request(run: Decoding, req: Request) -> Iterator[GenerationStep]:
         KVBudgetError: the request cannot fit the KV budget (before prefill); MlxInferError: a drafter that
             cannot load; whatever a forward raises.
     """
-    asm = StepAssembler(run.detokenizer, req.params.stop, run.eos, req.max_tokens)
+    asm = StepAssembler(run.detokenizer, req.params.stop, run.eos, req.max_tokens, req.tools)
     mx.reset_peak_memory()
     start = time.perf_counter()
     spec = SpecStats() if req.options.on else None

@@ -6,6 +6,11 @@ A call's body goes to mlx-lm's parser for the family; a JSON-body call that begi
 "arguments":` streams its arguments as they come (the text after that prefix, without the closing `}` and
 whitespace). Text that may be the start of a marker is held back until it is decided. `parse(text)` is the
 stream fed the whole text, so streamed events assembled always equal it.
+
+A call that repeats an earlier one of the same response (same name, equal arguments as JSON) ends the response:
+small models asked for parallel calls tend to repeat theirs until max_tokens, and no API client wants the
+same call twice. It and all text after it are dropped (`ended`), so that only the first call streams as it
+comes; a later one is held until its end marker tells whether it repeats.
 """
 
 import json
@@ -74,9 +79,13 @@ class ToolStream:
         self._sent = ""             # the arguments text sent for the current streaming call
         self._calls = 0
         self._held_ws = False       # whether content held back ends a segment (dropped before a call)
+        self._seen: List[Tuple[str, str]] = []  # (name, canonical arguments) of the calls given
+        self.ended = False          # a repeated call was read: the response ends there, the rest is dropped
 
     def feed(self, text: str) -> List[ToolEvent]:
         """Events for the next piece of text (possibly none: text held back until decided)."""
+        if self.ended:
+            return []
         self._pending += text
         out: List[ToolEvent] = []
         while self._step(out):
@@ -87,6 +96,8 @@ class ToolStream:
         """The events of what is still held back, at the end of the text."""
         out: List[ToolEvent] = []
         pending, self._pending = self._pending, ""
+        if self.ended:
+            return out
         if not self._in_call:
             if pending and not self._calls:
                 out.append(ToolEvent("content", pending))
@@ -101,10 +112,12 @@ class ToolStream:
 
     def _step(self, out: List[ToolEvent]) -> bool:
         """Decide what can be decided of the pending text; True when the state changed (step again)."""
+        if self.ended:
+            return False
         if not self._in_call:
             return self._text_step(out)
         end = self.fmt.end
-        if self._name is None and self.fmt.json_body:
+        if self._name is None and self.fmt.json_body and not self._calls:  # the first call streams
             head = _HEAD.match(self._pending)
             stop = self._pending.find(end) if end else -1
             if head and (stop < 0 or head.end() <= stop):
@@ -122,6 +135,7 @@ class ToolStream:
         body, self._pending = self._pending[:stop], self._pending[stop + len(end):]
         if self._name is not None:
             out += self._arguments(_arguments_so_far(body))
+            self._seen.append((self._name, _canonical(self._sent)))
             self._calls += 1
         else:
             out += self._whole(body, complete=True)
@@ -164,10 +178,24 @@ class ToolStream:
             return [ToolEvent("content", raw)]
         out = []
         for name, arguments in calls:
+            key = (name, _canonical(arguments))
+            if key in self._seen:
+                self.ended, self._pending = True, ""
+                break
+            self._seen.append(key)
             out.append(ToolEvent("call", index=self._calls, id=self._call_id(self._calls), name=name))
             out.append(ToolEvent("arguments", arguments, index=self._calls))
             self._calls += 1
         return out
+
+
+def _canonical(arguments: str) -> str:
+    """Arguments text in one spelling (keys sorted, no spaces) when it is JSON, else stripped: equal
+    arguments compare equal however the model spaced or ordered them."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments.strip()
 
 
 def parse_body(fmt: ToolFormat, body: str, tools: Sequence[dict]) -> Optional[List[Tuple[str, str]]]:

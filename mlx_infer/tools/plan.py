@@ -100,6 +100,12 @@ class ToolPlan:
         reader = self.stream()
         return assemble(reader.feed(text) + reader.finish())
 
+    def ended(self, text: str) -> bool:
+        """Whether the response ends within `text`: a call in it repeats an earlier one (ToolStream.ended)."""
+        reader = self.stream()
+        reader.feed(text)
+        return reader.ended
+
     def system(self, system: Optional[str]) -> Optional[str]:
         """The system prompt of a template without tool support: the user's, then the generic form's."""
         if self.format.native:

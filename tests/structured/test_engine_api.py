@@ -102,6 +102,20 @@ def test_tool_calls_cut_by_max_tokens_end_with_length(default_engine):
     assert result.text.count("<tool_call>") > len(result.tool_calls)  # the last one was cut off
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_repeated_call_ends_the_answer(default_engine, batched):
+    """With parallel calls the small model repeats its call: the repeat ends the request at its end marker
+    ("tool_calls", well before max_tokens) and is not reported."""
+    kwargs = dict(tools=TOOLS, tool_choice="required", max_tokens=200)
+    prompt = "What's the weather in Paris?"
+    result = (default_engine.generate_batch([prompt], **kwargs)[0] if batched
+              else default_engine.generate(prompt, **kwargs))
+    assert result.finish_reason == "tool_calls", result.text
+    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert result.text.count("<tool_call>") == 2 and result.text.endswith("</tool_call>"), result.text
+    assert result.stats.generated_tokens < 60
+
+
 def test_tool_choice_none_is_a_plain_answer(default_engine):
     plain = default_engine.generate("What is the weather in Paris?", max_tokens=8)
     none = default_engine.generate("What is the weather in Paris?", max_tokens=8, tools=TOOLS, tool_choice="none")
