@@ -19,8 +19,8 @@ preload_optimized_blas()
 import importlib  # noqa: E402
 from typing import TYPE_CHECKING, Any, List  # noqa: E402
 
-from .errors import (DiskWriteError, EngineBusyError, GenerationError, InvalidGGUFError, MlxInferError,  # noqa: E402
-                     ModelNotFoundError, RequestError, RunnerClosedError, UnsupportedModelError)
+from .errors import (DiskWriteError, DistributedError, EngineBusyError, GenerationError,  # noqa: E402
+                     InvalidGGUFError, MlxInferError, ModelNotFoundError, RequestError, RunnerClosedError, UnsupportedModelError)
 from .rmm.options import Retention  # noqa: E402
 
 if TYPE_CHECKING:  # the lazily named ones, for type checkers and readers
@@ -36,7 +36,7 @@ __all__ = [
     "load", "Engine", "SamplingParams", "GenerationResult", "GenerationStats", "GenerationStep",
     "BatchRunner", "RequestHandle", "Retention",
     "MlxInferError", "ModelNotFoundError", "UnsupportedModelError", "InvalidGGUFError", "KVBudgetError",
-    "RequestError", "RunnerClosedError", "GenerationError", "EngineBusyError", "DiskWriteError",
+    "RequestError", "RunnerClosedError", "GenerationError", "EngineBusyError", "DiskWriteError", "DistributedError",
     "__version__",
 ]
 

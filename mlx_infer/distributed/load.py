@@ -11,7 +11,7 @@ every rank with the same line, since every rank decides from the same files.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import mlx.nn as nn
 
@@ -116,7 +116,3 @@ def load_sharded(model: Optional[str], group: Group, parallel: str = "auto", wei
         add_all_sums(net, group)
     return Shard(net, tokenizer, config, source, group, out["mode"], out.get("detail", ""))
 
-
-def split_summary(shard: Shard) -> Tuple[str, str]:
-    """(mode, what this rank holds), for `doctor` and --verbose."""
-    return shard.parallel, shard.detail

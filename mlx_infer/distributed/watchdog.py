@@ -110,8 +110,8 @@ def guarded(step: Callable[[], T], what: str, rank: int, timeout: Optional[float
 
 
 def on_terminate(rank: int) -> None:
-    """Make SIGTERM (mlx.launch stopping the ranks after one failed) end this process with one error line
-    instead of a traceback or silence (on a line of its own: MLX's threads may be writing to stderr too),
+    """Make SIGTERM (mlx.launch stopping the ranks after one failed) end this process, with one error line on
+    rank 0, instead of a traceback or silence (on a line of its own: MLX's threads may be writing to stderr too),
     even while its main thread is blocked in a collective (where a Python
     signal handler never runs): the signal's number reaches a pipe at once (signal.set_wakeup_fd, written by
     the C-level handler), and a thread reading it writes the line and ends the process. Call from the main
@@ -120,8 +120,9 @@ def on_terminate(rank: int) -> None:
                "(its error, if it wrote one, is above)\n")
 
     def end() -> None:
-        sys.stderr.write(message)
-        sys.stderr.flush()
+        if rank == 0:  # (the other ranks leave quietly: rank 0 speaks for the job)
+            sys.stderr.write(message)
+            sys.stderr.flush()
         os._exit(EXIT_CODE)
 
     def handler(signum, frame):

@@ -5,12 +5,14 @@ write this rank's result as JSON to OUT_DIR/rank<r>.json.
 
 MODEL may hold "%r", replaced by the rank (each rank its own file: the mismatched-files test).
 
-Env: KILL_RANK=r and KILL_AFTER=n: rank r exits abruptly (os._exit) after n tokens (a rank lost mid-request).
+Env: KILL_RANK=r and KILL_AFTER=n: rank r exits abruptly (os._exit) after n tokens (a rank lost mid-request);
+HANG_RANK=r: rank r stops answering after KILL_AFTER tokens (sleeps, its sockets open).
 """
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import mlx_infer  # noqa: F401  (first: the optimized BLAS)
@@ -31,6 +33,7 @@ def main() -> int:
     group = init_group("any")
     on_terminate(group.rank)
     kill_rank, kill_after = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AFTER", "0"))
+    hang_rank = int(os.environ.get("HANG_RANK", "-1"))
     try:
         model = model.replace("%r", str(group.rank))
         shard = load_sharded(None if model == "default" else model, group, parallel, layers=layers)
@@ -43,6 +46,8 @@ def main() -> int:
             tokens.append(t)
             if group.rank == kill_rank and len(tokens) == kill_after:
                 os._exit(9)
+            if group.rank == hang_rank and len(tokens) == kill_after:
+                time.sleep(3600)
         # the last logits of the whole sequence, for the tolerance checks
         logits = shard.model(mx.array([ids + tokens[:-1]], dtype=mx.uint32))[0].astype(mx.float32)
         mx.eval(logits)

@@ -176,3 +176,14 @@ def _json_objects(text: str):
         obj, end = decoder.raw_decode(text, i)
         out.append(json.dumps(obj))
         i = end
+
+
+def test_rank_that_stops_answering_ends_the_job_after_the_step_timeout(tmp_path, tiny_q8):
+    """Rank 1 stops answering after 3 tokens with its sockets open (no error reaches rank 0's backend): rank
+    0's watchdog ends it after MLX_INFER_DIST_TIMEOUT seconds of one step (far above a step of this tiny
+    model), with one line; mlx.launch then stops rank 1, quietly."""
+    proc = launch([str(tmp_path / "out"), tiny_q8, "pipeline", "64", json.dumps([5, 6, 7])],
+                  env={"HANG_RANK": "1", "KILL_AFTER": "3", "MLX_INFER_DIST_TIMEOUT": "30"})
+    line = _one_error_line(proc)
+    assert line.startswith("error: rank 0: decode step 3 did not finish within 30 s: a rank stopped answering"), line
+    assert not (tmp_path / "out" / "rank0.json").exists()
