@@ -331,6 +331,9 @@ def _source_text(value: str, flag: str, what: str) -> str:
             raise MlxInferError(f"{flag}: cannot read {value}: {e}") from None
     if what == "file":
         raise MlxInferError(f"{flag}: no file {value!r}; give the path of a Lark grammar file")
+    if what == "json" and not value.lstrip().startswith("{"):
+        raise MlxInferError(f"{flag}: no file {value!r}, and it is not a JSON schema either; give a schema "
+                            "file's path or the schema itself as JSON text")
     return value
 
 

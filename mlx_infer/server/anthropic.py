@@ -69,8 +69,9 @@ def _bad(message: str, param: Optional[str] = None) -> APIError:
 
 
 def _keys(block: dict, allowed: set, where: str, param: str) -> None:
-    """400 (param `param`) for a key of `block` not in `allowed`; `where` names the object in the message."""
-    extra = sorted(set(block) - allowed)
+    """400 (param `param`) for a key of `block` not in `allowed` with a value; `where` names the object in the
+    message. A null one is no request (the SDK's model_dump() of a response block has `caller`: None ...)."""
+    extra = sorted(k for k in set(block) - allowed if block[k] is not None)
     if extra:
         raise _bad(f"{where}: unsupported field '{extra[0]}'", param)
 

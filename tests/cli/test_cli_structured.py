@@ -57,6 +57,7 @@ def test_chat_with_a_regex(run_cli):
     (["--json-schema", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
     (["--format", "yaml"], "--format takes json"),
     (["--grammar", "/no/such/grammar.lark"], "no file"),
+    (["--json-schema", "missing.json"], "--json-schema: no file 'missing.json'"),
     (["--grammar-x"], ""),
 ])
 def test_bad_constraints_are_one_line_and_exit_2(run_cli, args, contains):

@@ -99,7 +99,7 @@ def test_tool_use_round_trip(server, tool_choice, names):
     assert first.stop_reason == "tool_use"
     uses = check_tool_use(first, names)
     assert len(uses) == 1
-    history = QUESTION + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+    history = QUESTION + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                         "content": json.dumps({"result": "18 degrees, sunny"})}]}]
     final = c.messages.create(model="smollm2", messages=history, tools=TOOLS, tool_choice={"type": "none"}, max_tokens=40)
