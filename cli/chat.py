@@ -7,7 +7,7 @@ on stdout.
 """
 
 import sys
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import typer
 
@@ -22,7 +22,8 @@ from .options import (
     RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
     FormatOpt, GrammarOpt, JsonSchemaOpt, NoForcedSpansOpt, RegexOpt, constraint_kwargs,
 )
-from .progress import PrefillBar, isatty, load_engine, prepare_speculation, stderr
+from .progress import (PrefillBar, defers_measurements, isatty, load_engine, measure_after_answer,
+                       prepare_speculation, stderr)
 from .stats import print_stats
 
 PROMPT = ">>> "
@@ -44,8 +45,10 @@ class ChatSession:
     """The history of one chat and the loop that reads turns and streams answers."""
 
     def __init__(self, engine, params, system: Optional[str] = None, show_stats: bool = False,
-                 verbose: bool = False, interactive: bool = False, speculative: Optional[dict] = None):
+                 verbose: bool = False, interactive: bool = False, speculative: Optional[dict] = None,
+                 after_answer: Optional[Callable[[], None]] = None):
         self.engine = engine
+        self.after_answer = after_answer  # run once, after the first answer (deferred measurements)
         self.speculative = speculative or {}
         self.params = params
         self.system = system
@@ -88,6 +91,9 @@ class ChatSession:
         self.history.append({"role": "assistant", "content": "".join(reply)})
         if self.show_stats:
             print_stats(stats)
+        if self.after_answer is not None:
+            after, self.after_answer = self.after_answer, None
+            after()  # while the user reads the answer and types the next turn
 
     def run(self) -> None:
         """Read turns until /exit, EOF or a second Ctrl-C in a row."""
@@ -214,7 +220,10 @@ def chat(
                        "use `mlx-infer generate --no-chat-template` with it")
         if structured:  # every answer follows the constraint: checked before the first turn
             engine.grammars.compile(structured["response_format"])
-        if not kv_request:  # with eviction a speculative "auto" decodes plainly: nothing to measure
+        # --spec auto answers the first turn plainly and measures after it; another mode measures first
+        deferred = engine.defer_measurements = defers_measurements(speculative, kv_request)
+        if not kv_request and not deferred:  # with eviction a speculative "auto" decodes plainly
             prepare_speculation(engine, speculative)
         ChatSession(engine, params, system, stats, verbose, interactive=isatty(),
-                    speculative={**speculative, **kv_request, **structured}).run()
+                    speculative={**speculative, **kv_request, **structured},
+                    after_answer=(lambda: measure_after_answer(engine, speculative)) if deferred else None).run()

@@ -1,6 +1,7 @@
 """`mlx-infer generate`: one prompt in, the answer streamed to stdout (or one JSON object)."""
 
 import json
+import os
 import sys
 import warnings
 from typing import Annotated, List
@@ -14,7 +15,7 @@ from .options import (
     RmmOpt, check_rmm, kv_kwargs, sampling_params, spec_kwargs,
     FormatOpt, GrammarOpt, JsonSchemaOpt, NoForcedSpansOpt, RegexOpt, constraint_kwargs,
 )
-from .progress import PrefillBar, load_engine, prepare_speculation
+from .progress import PrefillBar, defers_measurements, load_engine, measure_after_answer, prepare_speculation
 from .stats import print_stats
 
 
@@ -89,7 +90,10 @@ def generate(
         prompt_ids = engine.encode_fitting(text, system, not no_chat_template)
         if structured:
             engine.grammars.compile(structured["response_format"])
-        if not kv_request:  # with eviction a speculative "auto" decodes plainly: nothing to measure
+        # --spec auto answers first (plainly until this model's costs are measured, then measures them
+        # after the answer); another mode measures before it
+        deferred = engine.defer_measurements = defers_measurements(speculative, kv_request)
+        if not kv_request and not deferred:  # with eviction a speculative "auto" decodes plainly
             prepare_speculation(engine, speculative)
         bar = PrefillBar()
         kwargs = dict(progress=bar, **speculative, **kv_request, **structured)
@@ -114,6 +118,24 @@ def generate(
                           f"{params.max_tokens}; shorten the prompt for a longer answer")
         if stats or verbose:
             print_stats(final)
+        if deferred:
+            release_stdout()  # a reader of the answer is not kept waiting for the measurements
+            measure_after_answer(engine, speculative)
+
+
+def release_stdout() -> None:
+    """Flush stdout and point its descriptor at the null device, so that a pipe's reader sees the end of the
+    answer now, while the process goes on (stderr stays)."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):
+        return  # not a real file (captured in-process): nothing to release
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def warn_empty(stats, no_chat_template: bool) -> None:

@@ -126,6 +126,30 @@ def prepare_speculation(engine, speculative: dict) -> None:
                    speculative.get("max_draft", "auto"), say=lambda msg: stderr.print(msg, style="dim", markup=False))
 
 
+def defers_measurements(speculative: dict, kv_request: dict) -> bool:
+    """Whether a request with these flags answers before the one-time speculative measurements: `--spec auto`
+    (it decodes plainly until they are cached; Engine.defer_measurements). Other modes measure first, and
+    with eviction auto decodes plainly (nothing to measure)."""
+    return speculative.get("speculative") == "auto" and not kv_request
+
+
+def measure_after_answer(engine, speculative: dict) -> None:
+    """Take, once the answer is out, the measurements a deferred `--spec auto` request went without (cached:
+    later requests speculate), saying first why on stderr, then a line per measurement; nothing when they
+    are cached already."""
+    said: list = []
+
+    def say(msg: str) -> None:
+        if not said:
+            stderr.print("answered without speculative decoding (--spec auto) until this model's costs are "
+                         "measured on this machine; measuring now, once", style="dim", markup=False)
+        said.append(msg)
+        stderr.print(msg, style="dim", markup=False)
+
+    engine.prepare(speculative.get("speculative", "off"), speculative.get("draft_model"),
+                   speculative.get("max_draft", "auto"), say=say)
+
+
 class PrefillBar:
     """A `progress(done, total)` callback for Engine.stream_steps: a transient bar on stderr while a long
     prompt (PREFILL_PROGRESS_TOKENS or more tokens still to prefill) is processed; nothing for short ones

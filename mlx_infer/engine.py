@@ -150,6 +150,19 @@ class Engine:
         with self._serial.held():
             self.spec.prepare(self._spec_options(speculative, draft_model, max_draft), say=say)
 
+    @property
+    def defer_measurements(self) -> bool:
+        """False (the default): a speculative="auto" request measures what this model and machine have not
+        measured yet (the verify cost curve, the registered drafter's agreement; cached on disk) before it
+        decodes. True: such a request decodes plainly (its stats' spec_mode "off") and `prepare` measures
+        later, e.g. once the answer is out (what `mlx-infer generate` and `chat` do). Other modes always
+        measure first."""
+        return self.spec.defer_measurements
+
+    @defer_measurements.setter
+    def defer_measurements(self, on: bool) -> None:
+        self.spec.defer_measurements = bool(on)
+
     def _spec_options(self, speculative: str, draft_model, max_draft) -> SpecOptions:
         if isinstance(draft_model, Engine):
             draft_model = DraftModel(draft_model.model, draft_model.tokenizer)

@@ -11,7 +11,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Set
+from typing import Callable, Optional, Set, Tuple
 
 from .errors import ModelNotFoundError
 
@@ -86,6 +86,33 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _cache_path(kind: str, ident: str) -> Path:
+    """Where cached_json keeps the object of (kind, ident)."""
+    return cache_dir() / kind / f"{hashlib.sha256(ident.encode()).hexdigest()[:KEY_DIGITS]}.json"
+
+
+def _read_cached(path: Path, valid: Optional[Callable[[dict], bool]]) -> Tuple[Optional[dict], bool]:
+    """(the cached object at path, or None; whether one was there but failed `valid`)."""
+    if not path.is_file():
+        return None, False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, False  # unreadable: compute again
+    try:
+        if isinstance(data, dict) and (valid is None or valid(data)):
+            return data, False
+    except (ValueError, KeyError, TypeError):
+        return None, False  # from an older version: compute again
+    return None, True
+
+
+def read_cached_json(kind: str, ident: str, valid: Optional[Callable[[dict], bool]] = None) -> Optional[dict]:
+    """The object cached_json(kind, ident, ..., valid) would return without computing, or None when none
+    valid is cached (nothing is computed or written)."""
+    return _read_cached(_cache_path(kind, ident), valid)[0]
+
+
 def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optional[Callable[[dict], bool]] = None,
                 say: Optional[Callable[[str], None]] = None, message: str = "",
                 stale: str = "the cached one no longer fits") -> dict:
@@ -104,16 +131,10 @@ def cached_json(kind: str, ident: str, compute: Callable[[], dict], valid: Optio
         leaves half a file); when it cannot be written, one line (`say`'s, else a warning once per
         process and folder) and the computed dict.
     """
-    path = cache_dir() / kind / f"{hashlib.sha256(ident.encode()).hexdigest()[:KEY_DIGITS]}.json"
-    rejected = False
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if isinstance(data, dict) and (valid is None or valid(data)):
-                return data
-            rejected = True
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable or from an older version: compute again
+    path = _cache_path(kind, ident)
+    data, rejected = _read_cached(path, valid)
+    if data is not None:
+        return data
     if say:
         if write_error(path.parent) is not None:
             _warned.add(str(path.parent))  # said here; no warning besides

@@ -11,9 +11,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..paths import cached_json
+from ..paths import cached_json, read_cached_json
 from .capture import TargetTaps
-from .cost import measure_cost_curve
+from .cost import NotMeasuredError, measure_cost_curve
 from .drafters.base import Drafter
 from .drafters.block import BlockDrafter
 from .schedule import Prior
@@ -108,10 +108,30 @@ def drafter_prior(target: Target, drafter: Drafter, say: Optional[Callable[[str]
     return cached_prior(target, drafter.ident, measure, say)
 
 
+def cached_drafter_prior(target: Target, drafter: Drafter) -> Prior:
+    """The prior drafter_prior would return from the disk cache, without measuring.
+
+    Raises:
+        NotMeasuredError: none is cached (always so for a drafter without an identity).
+    """
+    data = read_cached_json("prior", _prior_ident(target, drafter.ident), _valid_prior) if drafter.ident else None
+    if data is None:
+        raise NotMeasuredError("this drafter's agreement with the model is not measured yet")
+    return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]))
+
+
 def _named(ident: str) -> str:
     """'draft:/path' -> 'draft model', 'dflash:...' -> 'dflash drafter' (for the line said before measuring)."""
     kind = ident.split(":", 1)[0]
     return "draft model" if kind == "draft" else f"{kind} drafter"
+
+
+def _prior_ident(target: Target, ident: str) -> str:
+    return f"{target.key}|{ident}"
+
+
+def _valid_prior(data: dict) -> bool:
+    return 0 <= data["acceptance"] <= 1 and data["draft_cost"] > 0
 
 
 def cached_prior(target: Target, ident: Optional[str], measure: Callable[[], Prior],
@@ -126,7 +146,6 @@ def cached_prior(target: Target, ident: Optional[str], measure: Callable[[], Pri
         p = measure()
         return {"acceptance": p.acceptance, "draft_cost": p.draft_cost}
 
-    data = cached_json("prior", f"{target.key}|{ident}", compute,
-                       valid=lambda d: 0 <= d["acceptance"] <= 1 and d["draft_cost"] > 0,
+    data = cached_json("prior", _prior_ident(target, ident), compute, valid=_valid_prior,
                        say=say, message=f"measuring how often the {_named(ident)} agrees with the model")
     return Prior(float(data["acceptance"]), PRIOR_WEIGHT, float(data["draft_cost"]))

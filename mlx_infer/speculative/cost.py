@@ -20,8 +20,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..generation.compiled import CompiledDecode
 from ..generation.decode import decode_stream, plain_tokens
 from ..generation.sampling import SamplingParams
-from ..paths import cached_json
+from ..paths import cached_json, read_cached_json
 from .target import Target
+
+
+class NotMeasuredError(Exception):
+    """A one-time measurement (the verify cost curve, a drafter's calibration prior) that is not cached yet,
+    asked for by a caller that must not measure now (SpecState.defer_measurements: the request then decodes
+    plainly). Internal: caught inside the library, never shown to a user."""
+
 
 #: Context tokens in the cache while the cost curve is measured.
 COST_CONTEXT = 64
@@ -154,6 +161,15 @@ def _measure_consistent(target: Target, max_width: int, compiled: Optional[Compi
     return {**data, "plain_step": data["seconds"]["1"]}
 
 
+def _cost_ident(target: Target, compiled: Optional[CompiledDecode]) -> str:
+    """The cache identity of a target's cost curve: its key, and whether forwards replay compiled graphs."""
+    return f"{target.key}|forwards:{'compiled' if compiled is not None else 'model'}"
+
+
+def _curve(data: dict) -> CostCurve:
+    return CostCurve({int(k): float(v) for k, v in data["seconds"].items()}, float(data["plain_step"]))
+
+
 def cost_curve(target: Target, max_width: int, say: Optional[Callable[[str], None]] = None,
                compiled: Optional[CompiledDecode] = None) -> CostCurve:
     """The target's cost curve up to `max_width`, from the disk cache or measured once and saved.
@@ -165,10 +181,22 @@ def cost_curve(target: Target, max_width: int, say: Optional[Callable[[str], Non
         compiled: the target's CompiledDecode of verify widths (measure_cost_curve); None: the model.
     """
     data = cached_json(
-        "cost", f"{target.key}|forwards:{'compiled' if compiled is not None else 'model'}",
+        "cost", _cost_ident(target, compiled),
         lambda: _measure_consistent(target, max_width, compiled),
         valid=lambda d: consistent(d, max_width),
         say=say, message="measuring this model's verify cost by width",
         stale="the cached curve is too narrow, or was timed while the machine was busy",
     )
-    return CostCurve({int(k): float(v) for k, v in data["seconds"].items()}, float(data["plain_step"]))
+    return _curve(data)
+
+
+def cached_cost_curve(target: Target, max_width: int, compiled: Optional[CompiledDecode] = None) -> CostCurve:
+    """The curve cost_curve would return from the disk cache, without measuring.
+
+    Raises:
+        NotMeasuredError: no curve up to max_width (a consistent one) is cached.
+    """
+    data = read_cached_json("cost", _cost_ident(target, compiled), lambda d: consistent(d, max_width))
+    if data is None:
+        raise NotMeasuredError(f"this model's verify cost up to width {max_width} is not measured yet")
+    return _curve(data)

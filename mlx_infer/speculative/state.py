@@ -7,6 +7,7 @@ request's validated SpecOptions into a token iterator: choose the drafter, choos
 run the loop.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -19,8 +20,8 @@ from ..generation.compiled import CompiledDecode, module_fingerprint
 from ..generation.logprobs import LogprobQueue
 from ..generation.sampling import SamplingParams
 from ..structured.grammar import GrammarState
-from .calibrate import drafter_prior
-from .cost import CostCurve, cost_curve
+from .calibrate import cached_drafter_prior, drafter_prior
+from .cost import CostCurve, NotMeasuredError, cached_cost_curve, cost_curve
 from .drafters.base import Drafter
 from .drafters.block import BlockDrafter
 from .drafters.draft_model import DraftModelDrafter, check_same_vocab
@@ -47,6 +48,11 @@ class SpecState:
     Args:
         target: the Target (model, tokenizer, measurement key, registry names, weights mode).
         registry: a registry.json to read instead of the installed one (tests).
+
+    Attributes:
+        defer_measurements: False (the default): a request measures what it needs and is not cached yet (the
+            cost curve, a drafter's prior) before it decodes. True: a speculative="auto" request that would
+            measure decodes plainly instead (its stats' mode "off"); `prepare` takes the measurements later.
     """
 
     def __init__(self, target: Target, registry: Optional[Path] = None):
@@ -61,6 +67,8 @@ class SpecState:
         self._object_priors: List[Tuple[nn.Module, object]] = []  # (model object, prior): ident-less drafters
         self._skip: Optional[List[int]] = None
         self._forward: Optional[Tuple[tuple, CompiledDecode]] = None  # (module fingerprint, compiled forwards)
+        self.defer_measurements = False
+        self._cached_only = False  # True: curve / prior read the disk cache, NotMeasuredError when it lacks them
 
     def forward(self) -> CompiledDecode:
         """The target's forwards of up to MAX_VERIFY_WIDTH tokens as compiled graphs (generation/compiled.py),
@@ -72,12 +80,27 @@ class SpecState:
 
     # -- measurements (memoized; cached on disk below) ------------------------------------------------
 
+    @contextmanager
+    def _only_cached(self, on: bool = True) -> Iterator[None]:
+        """Within: (when `on`) curve and prior take what is memoized or on disk, and raise NotMeasuredError
+        where they would measure."""
+        before, self._cached_only = self._cached_only, on or self._cached_only
+        try:
+            yield
+        finally:
+            self._cached_only = before
+
     def curve(self, width: int, say: Say = None) -> CostCurve:
-        """The target's cost curve up to `width` (cost.cost_curve, memoized)."""
+        """The target's cost curve up to `width` (cost.cost_curve, memoized). Raises NotMeasuredError
+        within `_only_cached` when it is not cached."""
         have = [w for w in self._curves if w >= width]
         if have:
             return self._curves[min(have)]
-        curve = self._curves[width] = cost_curve(self.target, width, say, self.forward())
+        if self._cached_only:
+            curve = cached_cost_curve(self.target, width, self.forward())
+        else:
+            curve = cost_curve(self.target, width, say, self.forward())
+        self._curves[width] = curve
         return curve
 
     @staticmethod
@@ -88,17 +111,23 @@ class SpecState:
     def prior(self, drafter: Drafter, say: Say = None):
         """A model drafter's calibration prior (calibrate.drafter_prior), memoized by its identity, or for a
         model object handed in by the caller by that object (kept alive here, so never confused with
-        another one that reuses its id())."""
+        another one that reuses its id()). Raises NotMeasuredError within `_only_cached` when it is not
+        cached."""
         if drafter.ident is None:
             for model, prior in self._object_priors:
                 if model is drafter.model:
                     return prior
-            prior = drafter_prior(self.target, drafter, say)
+            prior = self._measure_prior(drafter, say)
             self._object_priors.append((drafter.model, prior))
             return prior
         if drafter.ident not in self._priors:
-            self._priors[drafter.ident] = drafter_prior(self.target, drafter, say)
+            self._priors[drafter.ident] = self._measure_prior(drafter, say)
         return self._priors[drafter.ident]
+
+    def _measure_prior(self, drafter: Drafter, say: Say = None):
+        if self._cached_only:
+            return cached_drafter_prior(self.target, drafter)
+        return drafter_prior(self.target, drafter, say)
 
     def skip_set(self, say: Say = None) -> List[int]:
         """layerskip's calibrated skip set (cached on disk)."""
@@ -162,16 +191,24 @@ class SpecState:
         """auto without a draft model: lookup backed by the registered block drafter when its calibration
         prior says it can pay on this machine (schedule.drafter_pays), else lookup alone."""
         if self._auto_block is None:
-            self._auto_block = ""
-            found = next((m for m in BLOCK_MODES if self._registered_model(m) is not None), None)
-            if found is not None:
-                block = self._block(found, None, say)
-                curve = self.curve(self.width(block), say)
-                if drafter_pays(curve, self.prior(block, say), block.max_draft, per_round=True):
-                    self._auto_block = found
+            self._auto_block = ""  # a drafter that fails here is not tried again
+            try:
+                self._auto_block = self._auto_choice(say)
+            except NotMeasuredError:
+                self._auto_block = None  # decided once measured
+                raise
         if self._auto_block:
             return LookupThenBlock(self._block(self._auto_block, None, say))
         return LookupDrafter()
+
+    def _auto_choice(self, say: Say = None) -> str:
+        """The registered block mode auto backs lookup with, "" for none (see _auto)."""
+        found = next((m for m in BLOCK_MODES if self._registered_model(m) is not None), None)
+        if found is None:
+            return ""
+        block = self._block(found, None, say)
+        curve = self.curve(self.width(block), say)
+        return found if drafter_pays(curve, self.prior(block, say), block.max_draft, per_round=True) else ""
 
     def drafter(self, options: SpecOptions, say: Say = None) -> Drafter:
         """A fresh drafter for one request (what it loads is kept for the next).
@@ -235,7 +272,8 @@ class SpecState:
                logprobs: Optional[LogprobQueue] = None) -> Optional[Iterator[int]]:
         """The speculative token iterator of one request (the same tokens as plain decoding when greedy, the
         same distribution when sampling), or None when the request is to decode plainly (auto on a cache
-        that cannot roll back; a policy that finds speculation cannot pay): stats.mode is then "off".
+        that cannot roll back; a policy that finds speculation cannot pay; with defer_measurements, auto
+        before its measurements are cached): stats.mode is then "off".
 
         Args:
             prompt_ids: the whole prompt; cache: the target's per-layer caches, holding prompt_ids[:start]
@@ -254,8 +292,12 @@ class SpecState:
                 return None
         else:
             check_rollback(cache, 0)  # before any drafter is loaded or measured
-        drafter = self.drafter(options)
-        policy = self.policy(options, drafter, params)
+        try:
+            with self._only_cached(options.mode == "auto" and self.defer_measurements):
+                drafter = self.drafter(options)
+                policy = self.policy(options, drafter, params)
+        except NotMeasuredError:  # deferred: `prepare` measures later
+            policy = None
         if policy is None:
             stats.mode = "off"
             return None
