@@ -16,7 +16,6 @@ Every error of these routes, the pipeline's APIError included, is answered in An
 
 import asyncio
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -28,8 +27,9 @@ from ..generation.results import GenerationStep, ToolCall
 from ..generation.sampling import SamplingParams
 from ..errors import MlxInferError
 from ..tools.parse import ToolEvent
-from .defaults import DISCONNECT_POLL_S, MAX_STOP
-from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed
+from .defaults import MAX_STOP
+from .protocol import APIError, ParsedRequest, api_error
+from .steps import ClientGone, StepWaiter, step_error
 
 #: Anthropic's error type of each HTTP status (others: invalid_request_error below 500, api_error above).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -493,23 +493,12 @@ class MessagesAPI:
     async def _collect(self, request: Request, steps: asyncio.Queue, message: Message) -> bool:
         """Feed `message` its steps until the final one; False when the client went away. Raises APIError for a
         failed request or a server shutting down."""
-        checked = time.monotonic()
-        while not message.done:
-            try:
-                _, step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                step = None
-            if time.monotonic() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    return False
-            if step is None:
-                continue
-            if isinstance(step, ShuttingDown):
-                raise APIError(503, "the server is shutting down; retry on another server", kind="server_error")
-            if isinstance(step, BaseException):
-                raise generation_failed(step)
-            message.add(step)
+        waiter = StepWaiter(steps, request)
+        try:
+            while not message.done:
+                message.add((await waiter.next())[1])
+        except ClientGone:
+            return False
         return True
 
     async def events(self, lease, handles, steps: asyncio.Queue, message: Message, head: dict) -> AsyncIterator[str]:
@@ -520,9 +509,8 @@ class MessagesAPI:
             yield sse("ping", {"type": "ping"})
             while not message.done:
                 _, step = await steps.get()
-                if isinstance(step, (BaseException, ShuttingDown)):
-                    err = (APIError(503, "the server is shutting down", kind="server_error")
-                           if isinstance(step, ShuttingDown) else generation_failed(step))
+                err = step_error(step)
+                if err is not None:
                     yield sse("error", error_body(err))
                     return
                 for name, data in message.events(step):

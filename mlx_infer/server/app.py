@@ -46,9 +46,10 @@ from .anthropic import routes as anthropic_routes
 from .chunks import Choice
 from .metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from .models import OneModel, Served
-from .defaults import DEFAULT_MAX_TOKENS, DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
+from .defaults import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_QUEUE, MAX_TOKENS_LIMIT
 from .responses import Responses
-from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed, parse
+from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, parse
+from .steps import ClientGone, StepWaiter, step_error
 
 log = logging.getLogger("mlx_infer.server")
 
@@ -276,23 +277,12 @@ class Server:
             return StreamingResponse(self.events(lease, served, handles, steps, choices, parsed, rid, chat),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            checked = time.monotonic()
+            waiter = StepWaiter(steps, request)
             while not all(c.done for c in choices):
-                try:
-                    index, step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    index, step = None, None
-                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                if step is None:
-                    continue
-                if isinstance(step, ShuttingDown):
-                    raise APIError(503, "the server is shutting down; retry on another server", kind="server_error")
-                if isinstance(step, BaseException):
-                    raise generation_failed(step)
+                index, step = await waiter.next()
                 choices[index].add(step)
+        except ClientGone:
+            return Response(status_code=499)
         finally:
             self.done(handles)
             await lease.__aexit__(None, None, None)
@@ -321,9 +311,8 @@ class Server:
                     yield chunk(c.first())
             while not all(c.done for c in choices):
                 index, step = await steps.get()
-                if isinstance(step, (BaseException, ShuttingDown)):
-                    err = (APIError(503, "the server is shutting down", kind="server_error") if isinstance(step, ShuttingDown)
-                           else generation_failed(step))
+                err = step_error(step)
+                if err is not None:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 for choice in choices[index].deltas(step):

@@ -38,8 +38,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..errors import MlxInferError
 from ..generation.results import GenerationStep, ToolCall
 from ..generation.sampling import SamplingParams
-from .defaults import DISCONNECT_POLL_S, RESPONSES_STORE_CHARS, RESPONSES_STORE_SIZE
-from .protocol import APIError, ParsedRequest, ShuttingDown, api_error, generation_failed
+from .defaults import RESPONSES_STORE_CHARS, RESPONSES_STORE_SIZE
+from .protocol import APIError, ParsedRequest, api_error
+from .steps import ClientGone, StepWaiter, step_error
 
 #: The body's fields; those in _ONLY only at the values listed (what the server does anyway).
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
@@ -556,22 +557,12 @@ class Responses:
         """(the steps' texts, the final step) of a request not streamed; (texts, None) when the client went away.
         Raises APIError: 503 when the server shuts down, the runner's failure."""
         texts: List[str] = []
-        checked = time.monotonic()
+        waiter = StepWaiter(steps, request)
         while True:
             try:
-                _, step = await asyncio.wait_for(steps.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                step = None
-            if time.monotonic() - checked >= DISCONNECT_POLL_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    return texts, None
-            if step is None:
-                continue
-            if isinstance(step, ShuttingDown):
-                raise APIError(503, "the server is shutting down; retry on another server", kind="server_error")
-            if isinstance(step, BaseException):
-                raise generation_failed(step)
+                _, step = await waiter.next()
+            except ClientGone:
+                return texts, None
             texts.append(step.text)
             if step.finish_reason is not None:
                 return texts, step
@@ -591,9 +582,8 @@ class Responses:
                 yield e
             while True:
                 _, step = await steps.get()
-                if isinstance(step, (BaseException, ShuttingDown)):
-                    err = (APIError(503, "the server is shutting down", kind="server_error")
-                           if isinstance(step, ShuttingDown) else generation_failed(step))
+                err = step_error(step)
+                if err is not None:
                     for e in stream.failed(err):
                         yield e
                     break

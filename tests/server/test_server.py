@@ -21,7 +21,7 @@ from server_helpers import live_server
 import mlx_infer
 from mlx_infer.errors import GenerationError
 from mlx_infer.server import ServerConfig, build_app
-from mlx_infer.server.app import generation_failed
+from mlx_infer.server.protocol import generation_failed
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
              "Explain what a CPU does in one sentence.", "Say hi.", "Count from one to ten.",
