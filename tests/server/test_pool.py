@@ -7,7 +7,6 @@ room can be made."""
 
 import asyncio
 import gc
-import socket
 import threading
 import time
 import weakref
@@ -17,17 +16,17 @@ from functools import lru_cache
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import mlx_infer
 from gguf_factory import TinySpec, random_weights, write_gguf
 from mlx_infer.errors import MlxInferError
-from mlx_infer.server import JSONErrorProtocol, ServerConfig
+from mlx_infer.server import ServerConfig
 from mlx_infer.server.app import build_pool_app
 from mlx_infer.server.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
 from mlx_infer.server.models import Served, describe
 from mlx_infer.server.pool import ModelPool, in_thread, parse_aliases
+from server_helpers import serving
 
 #: Only to fail a hang (loading and decoding take as long as the machine needs).
 HANG_S = 300
@@ -90,21 +89,10 @@ def live_pool(models, **options):
     metrics = Metrics()
     pool = ModelPool([describe(m) for m in models], loader(gates), metrics=metrics, **options)
     app = build_pool_app(pool, ServerConfig(), 32, metrics)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=JSONErrorProtocol))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + HANG_S
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", pool
+        with serving(app, HANG_S) as url:
+            yield url, pool
     finally:
-        server.should_exit = True
-        thread.join(timeout=HANG_S)
         pool.close()
 
 

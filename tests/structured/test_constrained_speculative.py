@@ -55,6 +55,17 @@ def until_eos(tokens, eos, max_tokens):
     return out
 
 
+def consume_with_forced(grammar, token: int) -> list:
+    """The grammar consumes `token` and then every span it forces after it; the tokens consumed."""
+    grammar.consume([token])
+    block = [token]
+    while not grammar.stopped and grammar.forced():
+        forced = grammar.forced()
+        grammar.consume(forced)
+        block += forced
+    return block
+
+
 def reference(model, prompt, grammar, max_tokens, eos):
     """Plain constrained greedy decoding written out (issue 48, rules 1-2): the argmax of the masked logits,
     token by token; after each, the grammar's forced tokens committed unchanged and run through the model with
@@ -65,12 +76,7 @@ def reference(model, prompt, grammar, max_tokens, eos):
     out = []
     while len(out) < max_tokens:
         t = int(mx.argmax(apply_masks(row, [grammar.mask()]), axis=-1).item())
-        grammar.consume([t])
-        block = [t]
-        while not grammar.stopped and grammar.forced():
-            forced = grammar.forced()
-            grammar.consume(forced)
-            block += forced
+        block = consume_with_forced(grammar, t)
         out += block
         if t in eos:
             break
@@ -171,12 +177,7 @@ def exact(model, prompt, grammar, params, depth):
         logits = model(mx.array(prompt + path)[None])[0, -1:].astype(mx.float32)
         p = np.array(mx.softmax(apply_masks(logits, [grammar.mask()])[0] / params.temperature))
         for t in np.nonzero(p > 1e-7)[0].tolist():
-            grammar.consume([t])
-            block = [t]
-            while not grammar.stopped and grammar.forced():
-                forced = grammar.forced()
-                grammar.consume(forced)
-                block += forced
+            block = consume_with_forced(grammar, t)
             walk(path + block, prob * float(p[t]))
             grammar.rollback(len(block))
 
