@@ -219,8 +219,9 @@ def serve(
                                 "or bind 127.0.0.1")
         speculative = serve_spec(spec)
         load_kw, kv_request = kv_kwargs("paged", kv_budget, evict, repack, block_size, speculative, kv_bits)
+        rmm = check_rmm(rmm, "serve")  # every flag checked before the model files are looked at
         models = serve_models(model, models_dir)
-        loader = partial(load_served, weights=weights.value, verbose=verbose, rmm=check_rmm(rmm, "serve"),
+        loader = partial(load_served, weights=weights.value, verbose=verbose, rmm=rmm,
                          load_kw=load_kw, speculative=speculative, max_batch=max_batch,
                          idle_release_s=kv_idle_release or None)
         metrics = Metrics()
