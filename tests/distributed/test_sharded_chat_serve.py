@@ -73,12 +73,13 @@ class Launched:
         self.proc.stdin.write(text.encode())
         self.proc.stdin.flush()
 
-    def wait_for_output(self) -> None:
-        """Until rank 0 has written something to stdout (the limit is only there to fail a hang)."""
+    def wait_for_output(self, stderr_holds: bytes = b"") -> None:
+        """Until rank 0 has written something to stdout, and `stderr_holds` to stderr (the limit is only there to
+        fail a hang)."""
         deadline = time.monotonic() + TIMEOUT_S
-        while not self.out and self.proc.poll() is None and time.monotonic() < deadline:
+        while not (self.out and stderr_holds in self.err) and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert self.out, self.err.decode(errors="replace")
+        assert self.out and stderr_holds in self.err, self.err.decode(errors="replace")
 
     def wait(self) -> tuple:
         """(stdout, stderr) as text once the job has ended."""
@@ -133,6 +134,37 @@ def test_chat_idle_longer_than_the_step_timeout_lives_on(tiny_q8):
     out, err = job.wait()
     assert not _errors(err), err
     assert out == expected
+
+
+def _rank_pid(job: Launched, rank: int) -> int:
+    """The process id of a rank of `job` (its session's process whose environment has MLX_RANK=rank)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != job.proc.pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"MLX_RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(entry)
+        except OSError:
+            continue
+    raise AssertionError(f"no rank {rank} in the job")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process through /proc")
+def test_chat_rank_lost_while_idle_ends_the_job_with_one_error(tiny_q8):
+    """Rank 1 killed while the chat waits for its next line: rank 0's next heartbeat fails (or mlx.launch stops
+    it), one error line from rank 0, and the job ends with no more input."""
+    _one_process(["generate", "hi", "--model", tiny_q8, "--max-tokens", "1"])  # the conversion, cached
+    job = Launched(["chat", "--model", tiny_q8, "--max-tokens", str(MAX_TOKENS), "--parallel", "pipeline", "--stats"])
+    job.write(TURNS[0] + "\n")
+    job.wait_for_output(b"generated ")  # the answer's stats line: it has ended, the chat waits for a line
+    os.kill(_rank_pid(job, 1), signal.SIGKILL)
+    out, err = job.wait()
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: ") and "Traceback" not in err, err
+    assert "the command IDLE failed: a rank of the group was lost" in lines[0] or "stopped by mlx.launch" in lines[0]
 
 
 def _free_port() -> int:
@@ -232,3 +264,18 @@ def test_serve_refuses_what_does_not_run_sharded(server):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert job.proc.poll() is None and not _errors(job.err.decode(errors="replace"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process through /proc")
+def test_serve_ctrl_c_shuts_every_rank_down(server):
+    """SIGINT to rank 0 (Ctrl-C): it stops uvicorn and sends SHUTDOWN, rank 1 leaves its loop, and the job ends
+    with no error line (the last test on this server). (Ctrl-C in a terminal reaches every rank, which ignore
+    it but rank 0, and mlx.launch, which ends with a KeyboardInterrupt traceback of its own.)"""
+    url, job = server
+    os.kill(_rank_pid(job, 0), signal.SIGINT)
+    job.proc.wait(TIMEOUT_S)
+    for t in job.readers:
+        t.join()
+    err = job.err.decode(errors="replace")
+    assert not _errors(err), err
+    assert "exited with code" not in err and "was killed" not in err, err  # (mlx.launch's notes on its ranks)
