@@ -13,6 +13,8 @@ from .chat import chat
 from .convert import convert
 from .distributed import generate as generate_sharded
 from .distributed import under_launch
+from .distributed_front import chat as chat_sharded
+from .distributed_front import serve as serve_sharded
 from .doctor import doctor
 from .errors import EXIT_BUG, click_exceptions, one_line_warnings, report_bug
 from .generate import generate
@@ -40,8 +42,11 @@ def _help(command: Callable) -> str:
 app.command("generate", help=_help(generate_sharded) if under_launch() else _help(generate),
             epilog='Example: mlx-infer generate "What is the capital of France?" -n 64')(
     generate_sharded if under_launch() else generate)
-app.command(help=_help(chat), epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat)
-app.command(help=_help(serve), epilog="Example: mlx-infer serve --port 8080")(serve)
+# under mlx.launch, `chat` and `serve` run the model split over the ranks too (cli/distributed_front.py)
+app.command("chat", help=_help(chat_sharded) if under_launch() else _help(chat),
+            epilog="Example: mlx-infer chat --system 'Answer briefly.'")(chat_sharded if under_launch() else chat)
+app.command("serve", help=_help(serve_sharded) if under_launch() else _help(serve),
+            epilog="Example: mlx-infer serve --port 8080")(serve_sharded if under_launch() else serve)
 app.command(help=_help(doctor))(doctor)
 app.command(help=_help(models), epilog="Example: mlx-infer models --models-dir ~/models")(models)
 app.command("ls", help=_help(models), hidden=True)(models)

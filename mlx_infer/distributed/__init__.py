@@ -6,7 +6,9 @@
     for token in lockstep_tokens(shard, ids, params): ...     # generate.py: rank 0 decides, all ranks step
 
 tensor.py (tensor parallel on the CPU kernel layers or MLX's), pipeline.py (contiguous layer ranges),
-digest.py (the same model files on every rank), watchdog.py (bounded waits: a lost rank ends the job).
+digest.py (the same model files on every rank), watchdog.py (bounded waits: a lost rank ends the job),
+commands.py (rank 0's command loop between requests: heartbeats while idle), front.py (LeadEngine: rank 0's
+engine for the chat and the server).
 """
 
 from .generate import LockstepStats, lockstep_tokens

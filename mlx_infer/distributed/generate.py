@@ -15,19 +15,23 @@ The KV cache is mlx-lm's per-layer cache of the rank's shard (make_prompt_cache)
 parallel, its own layers under pipeline parallel.
 """
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from ..generation.assemble import StepAssembler
+from ..generation.results import GenerationStats, GenerationStep
 from ..generation.sampling import SamplingParams, build_logits_processors, build_sampler, pick_token
 from .group import broadcast_ints, broadcast_list
 from .load import Shard
 from .watchdog import guarded
 
-__all__ = ["LockstepStats", "lockstep_tokens"]
+__all__ = ["LockstepStats", "follow_request", "lockstep_steps", "lockstep_tokens"]
 
 #: Prompt tokens per prefill forward (every rank runs the same chunks).
 PREFILL_CHUNK = 512
@@ -119,3 +123,56 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
         t4 = time.perf_counter()
         stats.decode_s += t4 - t3
         stats.step_s.append((t2 - t0) + (t4 - t3))  # (the caller's time between the two not counted)
+
+
+def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingParams, detokenizer: StreamingDetokenizer,
+                   eos_ids: Sequence[int], cancel: Optional[threading.Event] = None) -> Iterator[GenerationStep]:
+    """Rank 0's side of one request in lockstep, as the engine's steps: text and token per step, the last with
+    finish_reason and stats; EOS, stop strings and max_tokens decided by generation.assemble.StepAssembler (as in
+    one process, so the text of the same tokens is the same). The other ranks run follow_request(shard,
+    params.max_tokens) meanwhile; rank 0's decision to end travels with each token (lockstep_tokens' `stop`), so
+    they need no EOS ids or stop strings.
+
+    Args:
+        shard: rank 0's Shard. prompt_ids: the prompt's token ids. params: the sampling parameters.
+        detokenizer: a streaming detokenizer of the request's own (reset here).
+        eos_ids: the tokens that end the request (not delivered).
+        cancel: set (any thread) ends the request after the next token on every rank (finish_reason
+            "cancelled").
+
+    Yields:
+        GenerationStep; the last has finish_reason ("stop", "length" or "cancelled") and GenerationStats.
+
+    Raises:
+        DistributedError: a peer lost (watchdog.guarded).
+    """
+    asm = StepAssembler(detokenizer, params.stop, eos_ids, params.max_tokens)
+    texts: List[Optional[str]] = []
+
+    def decide(token: int) -> bool:
+        texts.append(asm.add(token))
+        return texts[-1] is None or (cancel is not None and cancel.is_set())
+
+    run = LockstepStats()
+    start, first = time.perf_counter(), None
+    for token in lockstep_tokens(shard, prompt_ids, params, (), run, stop=decide):
+        first = first if first is not None else time.perf_counter()
+        text = texts.pop()
+        if text is not None:
+            yield GenerationStep(text, token)
+    end = time.perf_counter()
+    text, token, finish = asm.final()
+    if asm.finish is None and cancel is not None and cancel.is_set():
+        finish = "cancelled"
+    first = first if first is not None else end
+    stats = GenerationStats(prompt_tokens=run.prompt_tokens, generated_tokens=asm.n, ttft_s=first - start,
+                            prefill_tps=run.prompt_tokens / run.prefill_s if run.prefill_s > 0 else 0.0,
+                            decode_tps=(asm.n - 1) / (end - first) if asm.n > 1 and end > first else 0.0,
+                            total_s=end - start)
+    yield GenerationStep(text, token, finish, stats)
+
+
+def follow_request(shard: Shard, max_tokens: int) -> int:
+    """The other ranks' side of one request that rank 0 runs with lockstep_steps (or lockstep_tokens without EOS
+    ids): every forward and broadcast to its end; the number of tokens stepped. Raises DistributedError."""
+    return sum(1 for _ in lockstep_tokens(shard, None, SamplingParams(max_tokens=max_tokens)))

@@ -205,6 +205,8 @@ class ModelsCollector:
         families = {n: GaugeMetricFamily(PREFIX + n, h, labels=["model"]) for n, h in zip(names, helps)}
         for served in served_models(self.pool):
             sched = served.runner.scheduler
+            if sched is None:  # a model split over mlx.launch ranks (distributed/front.py): no batch, no KV pool
+                continue
             pool, model = sched.kv.pool, [served.id]
             families["requests_waiting"].add_metric(model, len(sched.waiting))
             families["requests_running"].add_metric(model, len(sched.running))

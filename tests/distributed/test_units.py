@@ -1,18 +1,24 @@
 """The distributed package's pieces in one process: layer ranges, the tensor plan's splits and checks, the
-model digest, the step timeout's parsing, a group of one."""
+model digest, the step timeout's parsing, a group of one; the command loop and rank 0's front."""
 
+import queue
 import shutil
+import threading
+import time
 
 import pytest
 
 import mlx_infer
 from gguf_factory import Q, tiny_gguf
-from mlx_infer.distributed import broadcast_list, init_group
+from mlx_infer.distributed import broadcast_list, commands, init_group, load_sharded
+from mlx_infer.distributed.defaults import HEARTBEAT_S
+from mlx_infer.distributed.front import LeadEngine
 from mlx_infer.distributed.digest import model_digest
 from mlx_infer.distributed.pipeline import layer_ranges
 from mlx_infer.distributed.tensor import tensor_plan
 from mlx_infer.distributed.watchdog import step_timeout
-from mlx_infer.errors import DistributedError, MlxInferError
+from mlx_infer.errors import DistributedError, MlxInferError, RequestError
+from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.loading import resolve
 
 
@@ -55,3 +61,100 @@ def test_group_of_one():
     assert broadcast_list(group, [3, 1, 4], "ids") == [3, 1, 4]
     with pytest.raises(MlxInferError, match="unknown distributed backend"):
         init_group("carrier-pigeon")
+
+
+# ---- the command loop (commands.py) and rank 0's front (front.py) on a group of one
+
+
+def test_heartbeat_interval_stays_under_the_step_timeout(monkeypatch):
+    monkeypatch.delenv("MLX_INFER_DIST_TIMEOUT", raising=False)
+    assert commands.heartbeat_interval() == HEARTBEAT_S == 1.0
+    monkeypatch.setenv("MLX_INFER_DIST_TIMEOUT", "2")
+    assert commands.heartbeat_interval() == 0.5
+
+
+def test_lead_runs_jobs_in_order_skips_cancelled_ones_and_shuts_down(monkeypatch):
+    sent = []
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: sent.append(list(values)) or values)
+    inbox = queue.Queue()
+    first = commands.submit(inbox, 5, lambda: "a")
+    skipped = commands.submit(inbox, 6, lambda: "never")
+    assert skipped.cancel()
+    last = commands.submit(inbox, 7, lambda: "b")
+    commands.finish(inbox)
+    commands.lead(init_group("any"), inbox, interval=60)
+    assert (first.result(), last.result()) == ("a", "b")
+    assert sent == [[commands.REQUEST, 5], [commands.REQUEST, 7], [commands.SHUTDOWN, 0]]
+
+
+def test_lead_sends_heartbeats_while_idle_and_a_failed_job_ends_it(monkeypatch):
+    sent = []
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: sent.append(list(values)) or values)
+    inbox = queue.Queue()
+    thread = threading.Thread(target=lambda: pytest.raises(DistributedError, commands.lead, init_group("any"),
+                                                             inbox, 0.01))
+    thread.start()
+    while len(sent) < 3:  # idle: heartbeats only
+        time.sleep(0.01)
+    assert all(s == [commands.IDLE, 0] for s in sent)
+
+    def lost():
+        raise DistributedError("rank 1 lost")
+    failed = commands.submit(inbox, 4, lost)
+    thread.join()
+    assert isinstance(failed.exception(), DistributedError)
+    assert [commands.REQUEST, 4] in sent and [commands.SHUTDOWN, 0] not in sent
+
+
+def test_follow_runs_requests_until_shutdown_and_refuses_garbage(monkeypatch):
+    script = iter([[commands.IDLE, 0], [commands.REQUEST, 9], [commands.IDLE, 0], [commands.REQUEST, 3],
+                   [commands.SHUTDOWN, 0]])
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: next(script))
+    ran = []
+    assert commands.follow(init_group("any"), ran.append) == 2 and ran == [9, 3]
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: [7, 0])
+    with pytest.raises(DistributedError, match="out of step"):
+        commands.receive(init_group("any"))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    """A tiny llama GGUF with a ChatML template (gguf_factory's byte-level tokenizer)."""
+    path, _, _ = tiny_gguf(tmp_path_factory.mktemp("front") / "llama.gguf", "llama", Q.F32, seed=4)
+    return str(path)
+
+
+def test_lead_engine_steps_equal_one_engine(tiny_chat):
+    """LeadEngine over a group of one (the lead thread running lockstep_steps) gives the Engine's text, tokens
+    and finish reason, also with a stop string cut from that text, and refuses what does not run sharded."""
+    engine = mlx_infer.load(tiny_chat)
+    messages = [{"role": "user", "content": "hello there"}]
+    plain = engine.generate(messages, SamplingParams(max_tokens=12))
+    inbox = queue.Queue()
+    lead = commands.lead_in_thread(init_group("any"), inbox)
+    front = LeadEngine(load_sharded(tiny_chat, init_group("any")), inbox)
+    try:
+        steps = list(front.stream_steps(messages, SamplingParams(max_tokens=12)))
+        assert "".join(s.text for s in steps) == plain.text and len(plain.token_ids) == 12
+        assert [s.token for s in steps] == plain.token_ids
+        assert steps[-1].finish_reason == plain.finish_reason == "length"
+        assert steps[-1].stats.generated_tokens == 12 and steps[-1].stats.prompt_tokens == plain.stats.prompt_tokens
+        stop = plain.text[3:5]
+        cut = engine.generate(messages, SamplingParams(max_tokens=12, stop=(stop,)))
+        steps = list(front.stream_steps(messages, SamplingParams(max_tokens=12, stop=(stop,))))
+        assert "".join(s.text for s in steps) == cut.text == plain.text[:plain.text.index(stop)]
+        assert steps[-1].finish_reason == "stop"
+        got = []
+
+        def gone(step):  # a receiver that fails (a server's closed event loop) after the first step
+            got.append(step)
+            raise RuntimeError("Event loop is closed")
+        handle = front.runner.submit(front.batch_request(messages, SamplingParams(max_tokens=12)), gone)
+        assert handle.future.result() is None and len(got) == 1 and handle.cancelled.is_set()
+        assert "".join(s.text for s in front.stream_steps(messages, SamplingParams(max_tokens=12))) == plain.text
+        with pytest.raises(RequestError, match="'tools' is not supported while the model is split") as e:
+            front.batch_request(messages, tools=[{"type": "function", "function": {"name": "f"}}])
+        assert e.value.param == "tools"
+    finally:
+        front.runner.close()
+        lead.join()
