@@ -95,6 +95,9 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
     ids, error = None, None
     if group.is_root:
         try:
+            if prompt == "-":  # mlx.launch passes stdin on but never its end: reading it would wait forever
+                raise fail("under mlx.launch the prompt cannot come from stdin (the launcher never passes on its "
+                           "end); give it as an argument")
             if system and no_chat_template:
                 raise fail("--system needs the chat template; drop --no-chat-template or --system")
             ids = PromptCodec(tokenizer, output_vocab(shard.model)).encode(read_prompt(prompt), system,

@@ -351,7 +351,7 @@ def build_pool_app(pool, config: ServerConfig, capacity: int, metrics: Optional[
         return error_response(exc)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        message = {404: f"no route {request.url.path}: see GET /v1/models, POST /v1/chat/completions, POST /v1/completions",
+        message = {404: f"no route {request.url.path}: see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return error_response(APIError(exc.status_code, message))
 

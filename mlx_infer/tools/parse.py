@@ -172,6 +172,8 @@ class ToolStream:
     def _whole(self, body: str, complete: bool) -> List[ToolEvent]:
         """A call read whole by the family's parser (a call that did not stream); its raw text as content
         when the parser cannot read it."""
+        if not complete and self._calls:
+            return []  # a later call cut off (max_tokens): maybe a repeat, and no content either
         calls = parse_body(self.fmt, body, self.tools)
         if calls is None:
             raw = self.fmt.start + body + (self.fmt.end if complete else "")

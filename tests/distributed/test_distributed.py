@@ -187,3 +187,9 @@ def test_rank_that_stops_answering_ends_the_job_after_the_step_timeout(tmp_path,
     line = _one_error_line(proc)
     assert line.startswith("error: rank 0: decode step 3 did not finish within 30 s: a rank stopped answering"), line
     assert not (tmp_path / "out" / "rank0.json").exists()
+
+
+def test_cli_prompt_from_stdin_is_refused_not_a_hang(tiny_q8):
+    """mlx.launch passes stdin on but never its end: `generate -` would wait forever; it is one error line."""
+    proc = _cli(["generate", "-", "--model", tiny_q8, "--max-tokens", "4"])
+    assert "the prompt cannot come from stdin" in _one_error_line(proc)

@@ -150,6 +150,15 @@ def test_a_repeated_call_ends_the_answer(engine):
     assert s.finish() == []
 
 
+def test_a_later_call_cut_off_is_dropped(engine):
+    """max_tokens ends the text inside a second call (often the small model's repeat of its first): the call
+    is not made and its markup is not content."""
+    p = plan(engine)
+    for cut in (CALL_W[:14], CALL_W[:30], CALL_A[:-13]):
+        content, calls = p.parse(CALL_W + "\n" + cut)
+        assert content == "" and [c.name for c in calls] == ["get_weather"], (cut, content)
+
+
 TEXTS = ["Let me look.\n" + CALL_W + "\n" + CALL_A + "\n",
          CALL_W + "\n" + CALL_A + "\n" + CALL_W_SPACED + "\nafter " + CALL_A,  # a repeat ends the answer
          "x" + CALL_W + CALL_A + "\n" + CALL_W[:-13],  # a repeat cut before its end marker
