@@ -14,8 +14,12 @@ moments (the HTTP and event-loop share of the scrape's time on a busy machine); 
 the bench's own process over a pool of N running requests (the scrape's own cost, without HTTP or a decode
 thread competing for the interpreter).
 
+With --swap-every S, every client asks for one model at a time, the next of /v1/models' list every S seconds
+(with --serve-arg=--max-loaded-models --serve-arg=1 the server unloads one model and loads the next at each
+swap); the models' loads and unloads are read from /metrics at the end.
+
 Usage: python bench/serve_soak.py [--clients 16] [--minutes 10] [--max-tokens 48] [--kv-idle-release 10]
-                                  [--serve-arg=--model --serve-arg=PATH ...]
+                                  [--swap-every SECONDS] [--serve-arg=--model --serve-arg=PATH ...]
 Prints a summary and writes bench/results/serve-soak-*.json.
 """
 
@@ -184,6 +188,17 @@ def exposition_cost(running: int, apis: list, models: list, trials: int = 200) -
     return {"p50_s": pct(times, 0.5), "p95_s": pct(times, 0.95), "bytes": len(metrics.exposition())}
 
 
+def model_counts(text: str) -> dict:
+    """{model: {"loads": n, "unloads": n}} from a /metrics text (model_loads_total, model_unloads_total)."""
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for kind in ("loads", "unloads"):
+                if sample.name == f"mlx_infer_model_{kind}_total":
+                    out.setdefault(sample.labels["model"], {"loads": 0, "unloads": 0})[kind] = int(sample.value)
+    return out
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -203,11 +218,16 @@ async def soak(url: str, pid: int, args) -> dict:
         until = began + args.minutes * 60
         rows, busy, scrapes = [], [], {"scrapes": 0, "metrics_s": [], "health_s": []}
 
+        def pick_model() -> str:
+            if args.swap_every:
+                return models[int((time.monotonic() - began) / args.swap_every) % len(models)]
+            return rng.choice(models)
+
         async def client_loop(c):
             while time.monotonic() < until:
                 stream = rng.random() < 0.5
                 drop = rng.randint(2, 6) if stream and rng.random() < DROP_SHARE else None
-                rows.append(await one(client, url, rng.choice(apis), rng.choice(models), rng.choice(prompts),
+                rows.append(await one(client, url, rng.choice(apis), pick_model(), rng.choice(prompts),
                                       args.max_tokens, stream, drop))
 
         async def sampler():
@@ -220,6 +240,7 @@ async def soak(url: str, pid: int, args) -> dict:
         wall = time.monotonic() - began
         await asyncio.sleep(args.kv_idle_release + 3)
         rss_idle = rss_bytes(pid)
+        swaps = model_counts((await client.get(url + "/metrics")).text)
     failed = [r for r in rows if not r["ok"]]
     ttft = [r["ttft_s"] for r in rows if r.get("ttft_s") is not None]
     return {"apis": apis, "models": models, "clients": args.clients, "minutes": args.minutes, "wall_s": wall,
@@ -229,7 +250,7 @@ async def soak(url: str, pid: int, args) -> dict:
             "by_api": {a: sum(r["api"] == a for r in rows) for a in apis},
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
             "rss_start_bytes": rss_start, "rss_busy_max_bytes": max(busy, default=0), "rss_idle_bytes": rss_idle,
-            "kv_idle_release_s": args.kv_idle_release,
+            "kv_idle_release_s": args.kv_idle_release, "swap_every_s": args.swap_every, "model_loads": swaps,
             "scrapes": scrapes["scrapes"], "scrapes_busy": len(scrapes["metrics_s"]),
             "metrics_p50_s": pct(scrapes["metrics_s"], 0.5), "metrics_p95_s": pct(scrapes["metrics_s"], 0.95),
             "health_p50_s": pct(scrapes["health_s"], 0.5), "health_p95_s": pct(scrapes["health_s"], 0.95),
@@ -243,6 +264,8 @@ def main():
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--kv-idle-release", type=float, default=10.0, help="the server's --kv-idle-release, seconds")
+    ap.add_argument("--swap-every", type=float, default=None, metavar="SECONDS",
+                    help="every client asks for the next model every SECONDS (default: a random model per request)")
     ap.add_argument("--serve-arg", action="append", default=[], help="an argument passed on to mlx-infer serve")
     args = ap.parse_args()
 
@@ -269,6 +292,7 @@ def main():
           f"failed {got['failed']}")
     for f in got["failures"]:
         print(f"  failed: {f}")
+    print("model loads / unloads: " + ", ".join(f"{m} {c['loads']} / {c['unloads']}" for m, c in got["model_loads"].items()))
     print(f"TTFT p50 {got['ttft_p50_s']:.2f} s, p95 {got['ttft_p95_s']:.2f} s (streamed requests, client side)")
     print(f"RSS {got['rss_start_bytes'] / mib:.0f} MiB at the start, {got['rss_busy_max_bytes'] / mib:.0f} MiB busy "
           f"(most), {got['rss_idle_bytes'] / mib:.0f} MiB after {got['kv_idle_release_s']:g} s idle "
