@@ -71,6 +71,8 @@ class PromptCodec:
                 UTF-8, kept by Python as lone surrogates), token ids outside the vocabulary, or a system
                 prompt without a chat template.
         """
+        if system is not None and not isinstance(system, str):
+            raise MlxInferError(f"the system prompt must be a string, got {type(system).__name__}")
         if isinstance(prompt, str):
             check_unicode(prompt)
             if not prompt.strip():

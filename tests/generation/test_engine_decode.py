@@ -40,6 +40,12 @@ def test_encode_refuses_what_is_no_prompt(default_engine, prompt, needle):
         default_engine.generate(prompt, max_tokens=1)
 
 
+@pytest.mark.parametrize("system", [5, ["be brief"]])
+def test_a_system_prompt_that_is_no_string_is_an_mlx_infer_error(default_engine, system):
+    with pytest.raises(MlxInferError, match="the system prompt must be a string, got "):
+        default_engine.generate("hi", system=system, max_tokens=1)
+
+
 
 def test_encode_takes_token_ids_from_any_iterable(default_engine):
     """Token ids need not be a list: a tuple, a range or a generator of ints gives the same ids."""
