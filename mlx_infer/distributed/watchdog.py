@@ -119,7 +119,12 @@ def on_terminate(rank: int) -> None:
     message = (f"\nerror: rank {rank}: stopped by mlx.launch: another rank of the group failed or was killed "
                "(its error, if it wrote one, is above)\n")
 
+    once = threading.Lock()
+
     def end() -> None:
+        # both the Python handler (a main thread not blocked) and the pipe's reader may get here: one line only
+        if not once.acquire(blocking=False):
+            once.acquire()  # the other one is ending the process
         if rank == 0:  # (the other ranks leave quietly: rank 0 speaks for the job)
             sys.stderr.write(message)
             sys.stderr.flush()

@@ -3,6 +3,9 @@ model digest, the step timeout's parsing, a group of one; the command loop and r
 
 import queue
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -158,3 +161,20 @@ def test_lead_engine_steps_equal_one_engine(tiny_chat):
     finally:
         front.runner.close()
         lead.join()
+
+
+def test_sigterm_gives_one_line_when_the_main_thread_is_free():
+    """SIGTERM while rank 0's main thread sleeps in Python: both the Python handler and the pipe's reader
+    thread see it; exactly one error line, exit 2 (a chat waiting for input had printed it twice). The exit is
+    slowed down in the child, so that the second path always arrives before the process ends."""
+    code = ("import os, sys, time; from mlx_infer.distributed.watchdog import on_terminate; real = os._exit; "
+            "os._exit = lambda c: (time.sleep(1.0), real(c)); on_terminate(0); "
+            "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        "error: rank 0: stopped by mlx.launch: another rank of the group failed or was killed (its error, if it "
+        "wrote one, is above)"], err
