@@ -163,6 +163,13 @@ def asks_paged(kv_budget: Optional[str], evict: Optional[str], block_size: str) 
         return True
 
 
+def require_chat_template(engine) -> None:
+    """Refuse (exit 2) to chat with a model that has no chat template."""
+    if not engine.tokenizer.has_chat_template:
+        raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
+                   "use `mlx-infer generate --no-chat-template` with it")
+
+
 def chat(
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = 256,
@@ -215,9 +222,7 @@ def chat(
             kv_options["kv_cache"] = "dense"  # e.g. a model with recurrent layers: the last turn's cache kept
         engine.configure_kv(**kv_options)
         params = fit_to_model(params, engine)
-        if not engine.tokenizer.has_chat_template:
-            raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
-                       "use `mlx-infer generate --no-chat-template` with it")
+        require_chat_template(engine)
         if structured:  # every answer follows the constraint: checked before the first turn
             engine.grammars.compile(structured["response_format"])
         # --spec auto answers the first turn plainly and measures after it; another mode measures first

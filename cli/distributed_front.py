@@ -26,7 +26,7 @@ from .errors import fail, user_errors
 from .options import (MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, SystemOpt,
                       TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
                       sampling_params)
-from .serve import API_KEY_ENV
+from .serve import AccessLogOpt, ApiKeyOpt, HostOpt, MaxTokensLimitOpt, PortOpt
 
 
 def run_sharded(model: Optional[str], weights: str, parallel: str, backend: str, verbose: bool,
@@ -88,15 +88,13 @@ def chat(
     clears the history, /exit quits (mlx.launch does not pass on the end of its input: end a piped chat with
     /exit). Each turn prefills the whole history (no KV cache is kept between turns when sharded).
     """
-    from .chat import ChatSession
+    from .chat import ChatSession, require_chat_template
     from .progress import isatty
 
     params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty, stop)
 
     def front(engine) -> None:
-        if not engine.tokenizer.has_chat_template:
-            raise fail(f"{engine.source.name} has no chat template, so it cannot chat; "
-                       "use `mlx-infer generate --no-chat-template` with it")
+        require_chat_template(engine)
         ChatSession(engine, fit_to_model(params, engine), system, stats, verbose, interactive=isatty()).run()
 
     run_sharded(model, weights.value, parallel, backend, verbose, front)
@@ -104,22 +102,17 @@ def chat(
 
 def serve(
     model: ModelOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")] = SERVE_HOST,
-    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port.")] = SERVE_PORT,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar=API_KEY_ENV, show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on every /v1 route.")] = None,
+    host: HostOpt = SERVE_HOST,
+    port: PortOpt = SERVE_PORT,
+    api_key: ApiKeyOpt = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0,
                                            help="Requests that may wait beyond the one running; more get HTTP 429.")]
     = SERVE_MAX_QUEUE,
-    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1,
-                                                  help="Most tokens one request may ask for.")] = SERVE_MAX_TOKENS_LIMIT,
+    max_tokens_limit: MaxTokensLimitOpt = SERVE_MAX_TOKENS_LIMIT,
     weights: WeightsOpt = Weights.auto,
     parallel: ParallelOpt = "auto",
     backend: BackendOpt = "any",
-    access_log: Annotated[bool, typer.Option(
-        "--access-log/--no-access-log",
-        help="One line per request on stderr (uvicorn's access log: client, method, path, status).")] = True,
+    access_log: AccessLogOpt = True,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve a model split over the ranks of mlx.launch over the OpenAI-compatible HTTP API (rank 0 listens):
@@ -128,24 +121,17 @@ def serve(
     Requests run one at a time in the order they came (no continuous batching when sharded), each in lockstep
     over the ranks; response_format, tools and logprobs are refused with a 400. Ctrl-C stops it.
     """
-    import logging
-
-    import uvicorn
-
-    from mlx_infer.errors import MlxInferError
-    from mlx_infer.server import JSONErrorProtocol, ServerConfig
+    from mlx_infer.server import ServerConfig
     from mlx_infer.server.app import build_pool_app
     from mlx_infer.server.models import OneModel, Served, describe
 
     from .progress import stderr
-    from .serve import SHUTDOWN_GRACE_S, StoppingServer, check_port, is_loopback, log_config
+    from .serve import check_host, check_port, run_http
 
     rank0 = os.environ.get("MLX_RANK", "0") == "0"
     with user_errors(verbose if rank0 else False):
-        if rank0 and not is_loopback(host) and not api_key:
-            raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "
-                                "or bind 127.0.0.1")
         if rank0:
+            check_host(host, api_key)
             check_port(host, port)  # before loading
 
     def front(engine) -> None:
@@ -156,15 +142,6 @@ def serve(
         stderr.print(f"serving {name} over {engine.shard.group.size} ranks ({engine.shard.parallel} parallel) on "
                      f"http://{shown}:{port}/v1 (Ctrl-C stops)" + ("; API key required" if api_key else ""),
                      markup=False)
-        http_config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
-                                     access_log=access_log, log_config=log_config(), lifespan="off",
-                                     http=JSONErrorProtocol, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-        if access_log:
-            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-        server = StoppingServer(http_config, on_exit=app.state.server.shutdown)
-        try:
-            server.run()
-        except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
-            pass
+        run_http(app, host, port, verbose, access_log)
 
     run_sharded(model, weights.value, parallel, backend, verbose, front)

@@ -96,6 +96,41 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+HostOpt = Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")]
+PortOpt = Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port.")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar=API_KEY_ENV, show_envvar=True, help="Require 'Authorization: Bearer KEY' on every /v1 route.")]
+MaxTokensLimitOpt = Annotated[int, typer.Option("--max-tokens-limit", min=1, help="Most tokens one request may ask for.")]
+AccessLogOpt = Annotated[bool, typer.Option(
+    "--access-log/--no-access-log",
+    help="One line per request on stderr (uvicorn's access log: client, method, path, status).")]
+
+
+def check_host(host: str, api_key: Optional[str]) -> None:
+    """Refuse to bind an address other machines reach without an API key. Raises MlxInferError (exit 2)."""
+    if not is_loopback(host) and not api_key:
+        raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "
+                            "or bind 127.0.0.1")
+
+
+def run_http(app, host: str, port: int, verbose: bool, access_log: bool) -> None:
+    """Serve `app` with uvicorn on (host, port) until Ctrl-C / SIGTERM (StoppingServer calls the app's server
+    shutdown on exit): mlx-infer's JSON errors for bad HTTP, its log format, an access line per request when
+    asked."""
+    from mlx_infer.server import JSONErrorProtocol
+
+    http_config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
+                                 access_log=access_log, log_config=log_config(), lifespan="off",
+                                 http=JSONErrorProtocol, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    if access_log:  # its lines are INFO records: shown without the rest of uvicorn's INFO chatter
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    server = StoppingServer(http_config, on_exit=app.state.server.shutdown)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
+        pass
+
+
 def serve_spec(spec: str) -> dict:
     """spec_kwargs of serve's --spec (no draft model, max_draft auto); raises MlxInferError listing
     SERVE_MODES for a mode serve does not take."""
@@ -158,16 +193,13 @@ def serve(
     keep_alive: KeepAliveOpt = KEEP_ALIVE_S,
     max_loaded_models: MaxLoadedOpt = None,
     max_model_memory: MaxMemoryOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs --api-key.")] = HOST,
-    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port.")] = PORT,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar=API_KEY_ENV, show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on every /v1 route.")] = None,
+    host: HostOpt = HOST,
+    port: PortOpt = PORT,
+    api_key: ApiKeyOpt = None,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Most requests decoding together.")] = MAX_BATCH,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0,
                                            help="Requests that may wait beyond the batch; more get HTTP 429.")] = MAX_QUEUE,
-    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1,
-                                                  help="Most tokens one request may ask for.")] = MAX_TOKENS_LIMIT,
+    max_tokens_limit: MaxTokensLimitOpt = MAX_TOKENS_LIMIT,
     spec: Annotated[str, typer.Option(
         "--spec", metavar="MODE",
         help=f"Lossless speculative decoding ({', '.join(SERVE_MODES)}) for a request while it is the only one "
@@ -187,9 +219,7 @@ def serve(
              "forgotten and the block pool shrinks (the next request prefills in full). 0: never.")] = IDLE_RELEASE_S,
     rmm: LinearRmmOpt = None,
     weights: WeightsOpt = Weights.auto,
-    access_log: Annotated[bool, typer.Option(
-        "--access-log/--no-access-log",
-        help="One line per request on stderr (uvicorn's access log: client, method, path, status).")] = True,
+    access_log: AccessLogOpt = True,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions
@@ -208,15 +238,13 @@ def serve(
     127.0.0.1 unless told otherwise; logs one line per request (--no-access-log: none). Ctrl-C stops it, cutting
     open requests after a few seconds.
     """
-    from mlx_infer.server import JSONErrorProtocol, ServerConfig
+    from mlx_infer.server import ServerConfig
     from mlx_infer.server.app import build_pool_app
     from mlx_infer.server.metrics import Metrics
     from mlx_infer.server.pool import ModelPool
 
     with user_errors(verbose):
-        if not is_loopback(host) and not api_key:
-            raise MlxInferError(f"--host {host} is reachable from other machines: give --api-key (or ${API_KEY_ENV}), "
-                                "or bind 127.0.0.1")
+        check_host(host, api_key)
         speculative = serve_spec(spec)
         load_kw, kv_request = kv_kwargs("paged", kv_budget, evict, repack, block_size, speculative, kv_bits)
         rmm = check_rmm(rmm, "serve")  # every flag checked before the model files are looked at
@@ -240,16 +268,6 @@ def serve(
             stderr.print(f"serving {first.id}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
                          + ("; API key required" if api_key else "") + others, markup=False)
             running = max_batch * min(len(models), max_loaded_models or len(models))
-            app = build_pool_app(pool, config, running + max_queue, metrics)
-            http_config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
-                                         access_log=access_log, log_config=log_config(), lifespan="off",
-                                         http=JSONErrorProtocol, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-            if access_log:  # its lines are INFO records: shown without the rest of uvicorn's INFO chatter
-                logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-            server = StoppingServer(http_config, on_exit=app.state.server.shutdown)
-            try:
-                server.run()
-            except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
-                pass
+            run_http(build_pool_app(pool, config, running + max_queue, metrics), host, port, verbose, access_log)
         finally:
             pool.close()
