@@ -199,6 +199,12 @@ def model_counts(text: str) -> dict:
     return out
 
 
+def active_bytes(text: str) -> float:
+    """MLX's active bytes (arrays alive: weights, KV blocks) from a /metrics text."""
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "mlx_infer_memory_active_bytes")
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -214,6 +220,7 @@ async def soak(url: str, pid: int, args) -> dict:
             await one(client, url, api, models[0], prompts[0], 8, True, None)
         await asyncio.sleep(args.kv_idle_release + 3)
         rss_start = rss_bytes(pid)
+        active_start = active_bytes((await client.get(url + "/metrics")).text)
         began = time.monotonic()
         until = began + args.minutes * 60
         rows, busy, scrapes = [], [], {"scrapes": 0, "metrics_s": [], "health_s": []}
@@ -240,7 +247,8 @@ async def soak(url: str, pid: int, args) -> dict:
         wall = time.monotonic() - began
         await asyncio.sleep(args.kv_idle_release + 3)
         rss_idle = rss_bytes(pid)
-        swaps = model_counts((await client.get(url + "/metrics")).text)
+        scraped = (await client.get(url + "/metrics")).text
+        swaps, active_idle = model_counts(scraped), active_bytes(scraped)
     failed = [r for r in rows if not r["ok"]]
     ttft = [r["ttft_s"] for r in rows if r.get("ttft_s") is not None]
     return {"apis": apis, "models": models, "clients": args.clients, "minutes": args.minutes, "wall_s": wall,
@@ -250,6 +258,7 @@ async def soak(url: str, pid: int, args) -> dict:
             "by_api": {a: sum(r["api"] == a for r in rows) for a in apis},
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
             "rss_start_bytes": rss_start, "rss_busy_max_bytes": max(busy, default=0), "rss_idle_bytes": rss_idle,
+            "mlx_active_start_bytes": active_start, "mlx_active_idle_bytes": active_idle,
             "kv_idle_release_s": args.kv_idle_release, "swap_every_s": args.swap_every, "model_loads": swaps,
             "scrapes": scrapes["scrapes"], "scrapes_busy": len(scrapes["metrics_s"]),
             "metrics_p50_s": pct(scrapes["metrics_s"], 0.5), "metrics_p95_s": pct(scrapes["metrics_s"], 0.95),
@@ -296,7 +305,8 @@ def main():
     print(f"TTFT p50 {got['ttft_p50_s']:.2f} s, p95 {got['ttft_p95_s']:.2f} s (streamed requests, client side)")
     print(f"RSS {got['rss_start_bytes'] / mib:.0f} MiB at the start, {got['rss_busy_max_bytes'] / mib:.0f} MiB busy "
           f"(most), {got['rss_idle_bytes'] / mib:.0f} MiB after {got['kv_idle_release_s']:g} s idle "
-          f"({got['rss_idle_bytes'] / got['rss_start_bytes'] - 1:+.1%} against the start)")
+          f"({got['rss_idle_bytes'] / got['rss_start_bytes'] - 1:+.1%} against the start); MLX active "
+          f"{got['mlx_active_start_bytes'] / mib:.0f} MiB at the start, {got['mlx_active_idle_bytes'] / mib:.0f} MiB idle")
     print(f"GET /metrics at >= {got['clients']} running: {got['scrapes_busy']} of {got['scrapes']} scrapes, "
           f"round trip p50 {got['metrics_p50_s'] * 1000:.1f} ms, p95 {got['metrics_p95_s'] * 1000:.1f} ms; "
           f"GET /health then p50 {got['health_p50_s'] * 1000:.1f} ms, p95 {got['health_p95_s'] * 1000:.1f} ms")

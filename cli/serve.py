@@ -6,7 +6,7 @@ import logging
 import socket
 import time
 from functools import partial
-from typing import Annotated, List, Optional
+from typing import Annotated, List, Optional, Tuple
 
 import typer
 import uvicorn
@@ -186,6 +186,16 @@ def load_served(model, weights: str, verbose: bool, rmm: Optional[str], load_kw:
     return Served(model.name, engine, engine.batch_runner(max_batch, idle_release_s=idle_release_s))
 
 
+def adopt_default(pool, loader, model) -> Tuple[str, Optional[str]]:
+    """Load the default model now (its errors are the command's) into `pool`; its id and RMM setting. Only
+    the pool keeps the loaded model: a reference in serve's frame, which runs as long as the server, would
+    keep its weights in memory after the pool unloads it (seen: an unloaded default's engine alive at idle)."""
+    started = time.monotonic()
+    served = loader(model)
+    pool.adopt(served, time.monotonic() - started)
+    return served.id, served.engine.source.rmm
+
+
 def serve(
     model: ModelsOpt = None,
     models_dir: ModelsDirOpt = None,
@@ -256,16 +266,14 @@ def serve(
         pool = ModelPool(models, loader, alias or (), keep_alive_s=keep_alive, max_loaded=max_loaded_models,
                          max_bytes=None if max_model_memory is None else int(max_model_memory * GB), metrics=metrics)
         check_port(host, port)  # before loading and the "serving" line
-        started = time.monotonic()
-        first = loader(models[0])  # the default, loaded now: its errors are the command's
-        pool.adopt(first, time.monotonic() - started)
-        config = ServerConfig(model_id=first.id, api_key=api_key, max_tokens_limit=max_tokens_limit,
+        first_id, first_rmm = adopt_default(pool, loader, models[0])
+        config = ServerConfig(model_id=first_id, api_key=api_key, max_tokens_limit=max_tokens_limit,
                               max_queue=max_queue, speculative=speculative.get("speculative", "off"), **kv_request)
         try:
             shown = f"[{host}]" if ":" in host else host
-            reduced = f" (rmm {first.engine.source.rmm}, lossy)" if first.engine.source.rmm is not None else ""
+            reduced = f" (rmm {first_rmm}, lossy)" if first_rmm is not None else ""
             others = f"; on demand: {', '.join(m.name for m in models[1:])}" if len(models) > 1 else ""
-            stderr.print(f"serving {first.id}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
+            stderr.print(f"serving {first_id}{reduced} on http://{shown}:{port}/v1 (Ctrl-C stops)"
                          + ("; API key required" if api_key else "") + others, markup=False)
             running = max_batch * min(len(models), max_loaded_models or len(models))
             run_http(build_pool_app(pool, config, running + max_queue, metrics), host, port, verbose, access_log)

@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import mlx.core as mx
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 
@@ -80,7 +82,8 @@ class Metrics:
     time_to_first_token_seconds{api,model}, inter_token_latency_seconds{model}, speculative_tau{model}
     (histograms); requests_in_flight; requests_waiting, requests_running, kv_blocks_used, kv_blocks_free,
     kv_blocks_cached, kv_blocks_allocated{model} (at scrape time); models_loaded; model_loads_total,
-    model_unloads_total{model}, model_load_seconds{model}.
+    model_unloads_total{model}, model_load_seconds{model}; memory_active_bytes, memory_cache_bytes (MLX's
+    allocator at scrape time); and prometheus-client's process_* metrics (resident memory, CPU seconds; Linux).
     """
 
     def __init__(self):
@@ -109,6 +112,11 @@ class Metrics:
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests submitted and not yet done, all models",
                                registry=r)
         self.models_loaded = Gauge(PREFIX + "models_loaded", "Models in memory", registry=r)
+        Gauge(PREFIX + "memory_active_bytes", "Bytes of MLX arrays alive: weights, KV blocks, activations",
+              registry=r).set_function(mx.get_active_memory)
+        Gauge(PREFIX + "memory_cache_bytes", "Bytes of freed buffers MLX keeps for reuse",
+              registry=r).set_function(mx.get_cache_memory)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
 
     def watch(self, pool, in_flight: Optional[Callable[[], int]] = None) -> None:
         """Report the models `pool` has loaded at each scrape (queue, running requests, KV blocks), and

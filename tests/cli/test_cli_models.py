@@ -82,3 +82,28 @@ def test_serve_two_models_an_alias_and_keep_alive(tmp_path, default_gguf):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert proc.returncode == 0, proc.stderr_text
     assert f"serving default on http://127.0.0.1:{port}/v1 (Ctrl-C stops); on demand: tiny" in proc.stderr_text
+
+
+def active_bytes(port: int) -> float:
+    """mlx_infer_memory_active_bytes from the server's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S).text
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("mlx_infer_memory_active_bytes "))
+
+
+def test_serve_frees_the_default_model_it_unloads(tmp_path, default_gguf):
+    """The default model, loaded before serve listens, leaves memory when the pool unloads it for another
+    (--max-loaded-models 1): MLX's active bytes fall below half of what they were with it loaded (its
+    weights are most of them; the tiny model's are a few KB). Before the fix serve's own frame kept it."""
+    folder = models_dir(tmp_path)
+    with serving("-m", "default", "-m", str(folder / "tiny.gguf"), "--max-loaded-models", "1",
+                 "--no-access-log") as (port, proc):
+        url = f"http://127.0.0.1:{port}/v1"
+        with_default = active_bytes(port)
+        r = httpx.post(url + "/completions", json={"model": "tiny", "prompt": "the quick", "max_tokens": 4},
+                       timeout=TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        loaded = {m["id"]: m["loaded"] for m in httpx.get(url + "/models", timeout=TIMEOUT_S).json()["data"]}
+        assert loaded == {"default": False, "tiny": True}
+        assert with_default > 50e6  # the default model's weights (SmolLM2-135M at 4 bits)
+        assert active_bytes(port) < with_default / 2
