@@ -337,9 +337,11 @@ class ResponseStore:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """A message output item; "in_progress" (just opened) has no content part yet, "completed" and "incomplete"
+    (cut by max_output_tokens) carry the text."""
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed"
-            else []}
+            "content": [] if status == "in_progress" else
+            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -347,10 +349,14 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "status": status}
 
 
-def output_items(content: str, calls: List[ToolCall]) -> List[dict]:
-    """The output of a whole answer: a message (when it has text, or nothing else), then one item per call."""
+def output_items(content: str, calls: List[ToolCall], status: str = "completed") -> List[dict]:
+    """The output of a whole answer: a message (when it has text, or nothing else), then one item per call;
+    the last item has `status` (the response's: "incomplete" when max_output_tokens cut it), the others
+    "completed"."""
     items = [message_item(_new_id("msg"), content)] if content or not calls else []
-    return items + [call_item(_new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+    items += [call_item(_new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+    items[-1]["status"] = status
+    return items
 
 
 def assistant_message(output: List[dict]) -> dict:
@@ -446,20 +452,20 @@ class EventStream:
         return [self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                            output_index=self._index(), delta=piece)]
 
-    def close(self) -> List[str]:
-        """The events closing the open item (none when none is open)."""
+    def close(self, status: str = "completed") -> List[str]:
+        """The events closing the open item with `status` (none when none is open)."""
         item, index = self.open, self._index()
         if item is None:
             return []
         out: List[str] = []
         if item["type"] == "message":
-            done = message_item(item["id"], self.buffer)
+            done = message_item(item["id"], self.buffer, status)
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                                   text=self.buffer, logprobs=[]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=done["content"][0]))
         else:
-            done = call_item(item["id"], item["call_id"], item["name"], self.buffer)
+            done = call_item(item["id"], item["call_id"], item["name"], self.buffer, status)
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=self.buffer))
         out.append(self.event("response.output_item.done", output_index=index, item=done))
@@ -471,8 +477,8 @@ class EventStream:
         """The last events: the open item closed (an empty message when nothing was said), then
         response.completed (or response.incomplete when cut by max_output_tokens)."""
         out = self.text("") if not self.output and self.open is None else []
-        out += self.close()
         status = status_of(final)
+        out += self.close(status)
         return out + [self.event(f"response.{status}", response=self.obj.body(status, self.output, final))]
 
     def failed(self, error: APIError) -> List[str]:
@@ -549,9 +555,10 @@ class Responses:
             return Response(status_code=499)
         text = "".join(texts)
         content, calls = (plan.parse(text)[0], list(final.tool_calls or [])) if plan is not None else (text, [])
-        output = output_items(content, calls)
+        status = status_of(final)
+        output = output_items(content, calls, status)
         self.keep(obj, req, output)
-        return JSONResponse(obj.body(status_of(final), output, final))
+        return JSONResponse(obj.body(status, output, final))
 
     async def collect(self, request: Request, steps: asyncio.Queue) -> Tuple[List[str], Optional[GenerationStep]]:
         """(the steps' texts, the final step) of a request not streamed; (texts, None) when the client went away.

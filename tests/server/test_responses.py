@@ -91,6 +91,22 @@ def test_streamed_events(server):
     assert "".join(e.delta for e in helper if e.type == "response.output_text.delta") == whole.output_text
 
 
+def test_an_answer_cut_by_max_output_tokens_is_incomplete_with_its_item(server):
+    """Cut by max_output_tokens: the response and its message item are "incomplete" (as OpenAI marks them), the
+    item still carrying the text; streamed, output_item.done and the last response say the same."""
+    url, _ = server
+    c = client(url)
+    kw = dict(model="smollm2", input="Write a long story about the sea.", max_output_tokens=3)
+    whole = c.responses.create(**kw)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in whole.output] == ["incomplete"] and whole.output_text
+    events = list(c.responses.create(stream=True, **kw))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.status for item in done] == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
+    assert events[-1].response.output_text == whole.output_text
+
+
 def test_function_tool_round_trip(server):
     """tool_choice required: one function_call item whose arguments validate; its output in the next input
     (the previous items sent back) gives a text answer; the streamed call's argument deltas join to the same
