@@ -251,16 +251,10 @@ def test_serve_two_concurrent_streams_both_complete(server, tiny_q8):
     assert results == [(w["text"], w["finish_reason"]) for w in wants]
 
 
-def test_serve_refuses_what_does_not_run_sharded(server):
+def test_serve_unknown_model_is_a_404(server):
+    """(tools, logprobs and response_format run sharded: test_sharded_serve_structured.py.)"""
     url, job = server
     client = _client(url)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    for kw, param in (({"tools": tools}, "tools"), ({"logprobs": True}, "logprobs"),
-                      ({"response_format": {"type": "json_object"}}, "response_format")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="llama-q8", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4, **kw)
-        assert e.value.body["param"] == param and "split over mlx.launch ranks" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert job.proc.poll() is None and not _errors(job.err.decode(errors="replace"))
