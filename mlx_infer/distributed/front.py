@@ -8,8 +8,8 @@ request run in lockstep on the lead thread (commands.py), one at a time in the o
 
 What it takes of Engine: stream_steps (a prompt, SamplingParams, a system prompt), batch_request (a prompt, its
 SamplingParams, chat_template, and response_format, tools, tool_choice, logprobs as one process checks them:
-the grammar and logprobs run on rank 0, distributed/structured.py), encode / decode, reset (a no-op: no KV
-cache is kept between requests, each request prefills its whole prompt), tokenizer, source, vocab_size,
+the grammar and logprobs run on rank 0, distributed/structured.py), encode / decode, reset (forgets the KV
+cache kept between requests with keep_cache, a chat's; else each request prefills its whole prompt), tokenizer, source, vocab_size,
 context_length, grammars. What it refuses, with a RequestError naming the field (the server's 400):
 speculative decoding and eviction, which do not run sharded yet (docs/distributed.md).
 """
@@ -34,6 +34,7 @@ from ..structured.grammar import Grammars, GrammarState
 from ..tools.plan import plan_tools
 from .commands import finish, submit
 from .generate import lockstep_steps
+from .kept import KeptCache
 from .load import Shard
 
 __all__ = ["LeadEngine", "LeadHandle", "LeadRequest", "LeadRunner"]
@@ -113,7 +114,8 @@ class LeadRunner:
         try:
             for step in lockstep_steps(engine.shard, request.prompt_ids, request.params,
                                        copy.copy(engine.detokenizer), engine.tokenizer.eos_token_ids, cancel,
-                                       grammar=request.grammar, logprobs=request.logprobs, tools=request.tools):
+                                       grammar=request.grammar, logprobs=request.logprobs, tools=request.tools,
+                                       kept=engine.kept):
                 deliver(step)
         except BaseException as e:
             deliver(e)
@@ -150,10 +152,13 @@ class LeadEngine:
     Args:
         shard: rank 0's Shard.
         inbox: the lead thread's queue (commands.lead_in_thread).
+        keep_cache: keep the KV cache from one request to the next (a chat: each turn prefills only what
+            follows the tokens it holds; kept.py): every rank then follows with a KeptCache of its own.
     """
 
-    def __init__(self, shard: Shard, inbox: "queue.Queue"):
+    def __init__(self, shard: Shard, inbox: "queue.Queue", keep_cache: bool = False):
         self.shard, self.inbox = shard, inbox
+        self.kept: Optional[KeptCache] = KeptCache() if keep_cache else None
         self.tokenizer, self.source, self.config = shard.tokenizer, shard.source, shard.config
         self.vocab_size = output_vocab(shard.model)
         self.codec = PromptCodec(shard.tokenizer, self.vocab_size)
@@ -184,7 +189,10 @@ class LeadEngine:
         return self.codec.decode(token_ids)
 
     def reset(self) -> None:
-        """Nothing to forget: no KV cache is kept between requests."""
+        """Forget the kept KV cache (the next request prefills its whole prompt on every rank: rank 0 decides
+        what is reused). Call it between requests."""
+        if self.kept is not None:
+            self.kept.clear()
 
     def batch_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                       chat_template: bool = True, speculative: str = "off", evict: Optional[str] = None,

@@ -12,7 +12,8 @@ evaluation of a forward and every broadcast is `guarded` (watchdog.py): a lost p
 DistributedError, a silent one ends the process after the step timeout.
 
 The KV cache is mlx-lm's per-layer cache of the rank's shard (make_prompt_cache): its own heads under tensor
-parallel, its own layers under pipeline parallel.
+parallel, its own layers under pipeline parallel; fresh for each request, or kept from one to the next (a
+chat's turns: kept.py), when the prompt's leading tokens are those it holds.
 """
 
 import threading
@@ -25,12 +26,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from ..errors import DistributedError
 from ..generation.assemble import StepAssembler, with_tool_calls
 from ..generation.logprobs import LogprobQueue
 from ..generation.results import GenerationStats, GenerationStep
 from ..generation.sampling import SamplingParams, build_logits_processors, build_sampler, pick_token
 from ..structured.grammar import GrammarState
 from .group import broadcast_ints, broadcast_list
+from .kept import KeptCache
 from .load import Shard
 from .structured import LeadPick
 from .watchdog import guarded
@@ -46,13 +49,15 @@ class LockstepStats:
     """What a lockstep generation measured on this rank (seconds; wall clock of each phase).
 
     Attributes:
-        prompt_tokens, generated_tokens: counts.
+        prompt_tokens, generated_tokens: counts. cached_tokens: the prompt's leading tokens a kept KV cache gave
+            (not prefilled).
         prefill_s: the prompt's forwards. decode_s: the decode steps' forwards (eval of the logits).
         broadcast_s: the broadcasts of the sampled tokens (one int32 all_sum per step).
         step_s: each decode step's whole time (forward, pick, broadcast).
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -82,7 +87,8 @@ def _until_stop(picked: List[int], eos: Set[int], stop: Optional[Callable[[int],
 def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: SamplingParams,
                     eos_ids: Sequence[int] = (), stats: Optional[LockstepStats] = None,
                     stop: Optional[Callable[[int], bool]] = None,
-                    prefill_chunk: int = PREFILL_CHUNK, picker: Optional[LeadPick] = None) -> Iterator[int]:
+                    prefill_chunk: int = PREFILL_CHUNK, picker: Optional[LeadPick] = None,
+                    kept: Optional[KeptCache] = None) -> Iterator[int]:
     """Generate on every rank of `shard.group` at once; yields the same token ids on every rank.
 
     Args:
@@ -97,6 +103,9 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
         picker: rank 0's LeadPick of a request with a grammar or logprobs (structured.py; None: the logits
             processors and pick_token). The tokens its grammar forces after a pick travel with it and go into
             the next forward together.
+        kept: the rank's KeptCache (kept.py; None: a fresh cache per call, nothing kept): the prompt's leading
+            tokens it holds (rank 0 decides how many, broadcast) are not prefilled again, and it keeps this
+            call's cache and ids. Every rank passes one, or none does.
 
     Yields:
         token ids, at most params.max_tokens.
@@ -111,11 +120,20 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
     if group.is_root and params.seed is not None:
         mx.random.seed(params.seed)
     sampler, processors = build_sampler(params), build_logits_processors(params)
-    cache = make_prompt_cache(shard.model)
+    mine = [kept.reusable(ids) if kept is not None else 0] if group.is_root else None
+    (reuse,) = broadcast_ints(group, mine, 1, "the length of the prompt's kept prefix")
+    if reuse and kept is None:
+        raise DistributedError(f"rank {group.rank}: rank 0 reuses a kept KV cache this rank does not keep; the "
+                               "job ends")
+    cache = kept.take(shard.model, reuse) if kept is not None else make_prompt_cache(shard.model)
+    stats.cached_tokens = reuse
     start = time.perf_counter()
-    for lo in range(0, len(ids), prefill_chunk):
+    for lo in range(reuse, len(ids), prefill_chunk):
         logits = _forward(shard, ids[lo:lo + prefill_chunk], cache, f"the prompt's tokens from {lo}")
     stats.prefill_s = time.perf_counter() - start
+    held = list(ids)  # the ids the cache holds
+    if kept is not None:
+        kept.keep(cache, held)
     history = list(ids)
     eos = set(eos_ids)
     step = made = 0
@@ -148,6 +166,7 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
             if i == 0 and not last:  # the next forward (the forced tokens with it) before those are yielded
                 t3 = time.perf_counter()
                 rows = _forward(shard, seq, cache, f"decode step {step + 1}", rows=len(seq) > 1)
+                held.extend(seq)
                 t4 = time.perf_counter()
                 if picker is not None:
                     picker.forced_rows(rows[:-1], more)
@@ -162,7 +181,7 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
 def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingParams, detokenizer: StreamingDetokenizer,
                    eos_ids: Sequence[int], cancel: Optional[threading.Event] = None, *,
                    grammar: Optional[GrammarState] = None, logprobs: Optional[LogprobQueue] = None,
-                   tools: Any = None) -> Iterator[GenerationStep]:
+                   tools: Any = None, kept: Optional[KeptCache] = None) -> Iterator[GenerationStep]:
     """Rank 0's side of one request in lockstep, as the engine's steps: text and token per step, the last with
     finish_reason and stats; EOS, stop strings and max_tokens decided by generation.assemble.StepAssembler (as in
     one process, so the text of the same tokens is the same). The other ranks run follow_request(shard,
@@ -178,6 +197,7 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
         grammar, logprobs, tools: the request's GrammarState, LogprobQueue and ToolPlan (None: none; built as
             one process builds them: generation/structured_request.py); the grammar and logprobs run on rank 0
             (structured.LeadPick), each step carries its token's logprob, the final step the tool calls.
+        kept: rank 0's KeptCache (lockstep_tokens; the other ranks pass theirs to follow_request).
 
     Yields:
         GenerationStep; the last has finish_reason ("stop", "length" or "cancelled") and GenerationStats.
@@ -197,7 +217,8 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
     run = LockstepStats()
     start, first = time.perf_counter(), None
     try:
-        for token in lockstep_tokens(shard, prompt_ids, params, (), run, stop=decide, picker=picker):
+        for token in lockstep_tokens(shard, prompt_ids, params, (), run, stop=decide, picker=picker,
+                                     kept=kept):
             first = first if first is not None else time.perf_counter()
             text = texts.popleft()
             if text is not None:
@@ -211,10 +232,11 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
     if asm.finish is None and cancel is not None and cancel.is_set():
         finish = "cancelled"
     first = first if first is not None else end
+    prefilled = run.prompt_tokens - run.cached_tokens
     stats = GenerationStats(prompt_tokens=run.prompt_tokens, generated_tokens=asm.n, ttft_s=first - start,
-                            prefill_tps=run.prompt_tokens / run.prefill_s if run.prefill_s > 0 else 0.0,
+                            prefill_tps=prefilled / run.prefill_s if run.prefill_s > 0 else 0.0,
                             decode_tps=(asm.n - 1) / (end - first) if asm.n > 1 and end > first else 0.0,
-                            total_s=end - start)
+                            total_s=end - start, cached_prompt_tokens=run.cached_tokens)
     logprob = logprobs.take() if logprobs is not None and token is not None else None
     final = GenerationStep(text, token, finish, stats, logprob=logprob)
     if tools is not None and finish != "cancelled":
@@ -222,7 +244,8 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
     yield final
 
 
-def follow_request(shard: Shard, max_tokens: int) -> int:
+def follow_request(shard: Shard, max_tokens: int, kept: Optional[KeptCache] = None) -> int:
     """The other ranks' side of one request that rank 0 runs with lockstep_steps (or lockstep_tokens without EOS
-    ids): every forward and broadcast to its end; the number of tokens stepped. Raises DistributedError."""
-    return sum(1 for _ in lockstep_tokens(shard, None, SamplingParams(max_tokens=max_tokens)))
+    ids): every forward and broadcast to its end; the number of tokens stepped. kept: the rank's KeptCache
+    (when rank 0 keeps one). Raises DistributedError."""
+    return sum(1 for _ in lockstep_tokens(shard, None, SamplingParams(max_tokens=max_tokens), kept=kept))

@@ -226,3 +226,34 @@ def test_lead_engine_structured_equals_one_engine(tiny_chat):
     finally:
         front.runner.close()
         lead.join()
+
+
+def test_lead_engine_keeps_its_cache_between_turns(tiny_chat):
+    """keep_cache over a group of one: a second turn (the first's prompt and answer, then a new line) gives the
+    Engine's answer to the whole history, its prompt's leading tokens from the kept cache (at least the first
+    turn's prompt, fewer than its own); a diverging prompt trims the cache to the common prefix; after reset
+    nothing is reused."""
+    engine = mlx_infer.load(tiny_chat)
+    inbox = queue.Queue()
+    lead = commands.lead_in_thread(init_group("any"), inbox)
+    front = LeadEngine(load_sharded(tiny_chat, init_group("any")), inbox, keep_cache=True)
+    params = SamplingParams(max_tokens=10)
+    first = [{"role": "user", "content": "hello there"}]
+    try:
+        one = list(front.stream_steps(first, params))
+        assert one[-1].stats.cached_prompt_tokens == 0
+        second = first + [{"role": "assistant", "content": "".join(s.text for s in one)},
+                          {"role": "user", "content": "what is it"}]
+        two = list(front.stream_steps(second, params))
+        want = engine.generate(second, params)
+        assert "".join(s.text for s in two) == want.text
+        assert one[-1].stats.prompt_tokens <= two[-1].stats.cached_prompt_tokens < two[-1].stats.prompt_tokens
+        other = [{"role": "user", "content": "hello world"}]
+        three = list(front.stream_steps(other, params))
+        assert "".join(s.text for s in three) == engine.generate(other, params).text
+        assert 0 < three[-1].stats.cached_prompt_tokens < three[-1].stats.prompt_tokens  # "<|im_start|>user\nhello "
+        front.reset()
+        assert list(front.stream_steps(other, params))[-1].stats.cached_prompt_tokens == 0
+    finally:
+        front.runner.close()
+        lead.join()
