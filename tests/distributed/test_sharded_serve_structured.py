@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import mlx_infer
-from launch_helpers import TIMEOUT_S, mlx_launch
+from launch_helpers import TIMEOUT_S, launch, mlx_launch
 from mlx_infer.distributed import commands, init_group, load_sharded
 from mlx_infer.distributed.front import LeadEngine
 from mlx_infer.generation.sampling import SamplingParams
@@ -176,3 +176,18 @@ def test_disconnected_stream_stops_and_the_next_request_is_served(server):
     assert second.usage.completion_tokens == 6
     generated = _metric(url, "mlx_infer_generated_tokens_total") - before
     assert 6 + 3 <= generated < 6 + 100, generated  # (uncancelled, the tiny model runs on past 480)
+
+
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
+def test_cli_generate_json_schema_equals_one_process(tiny_q8, parallel):
+    """`mlx-infer generate --json-schema ... --json` under mlx.launch: one answer (rank 0's) that validates, the
+    one-process command's tokens and text."""
+    args = ["generate", "hello there", "--model", tiny_q8, "--max-tokens", "60", "--json-schema", json.dumps(SCHEMA),
+            "--json"]
+    want = json.loads(_one_process(args))
+    proc = launch(["-m", "mlx_infer", *args, "--parallel", parallel], script=None)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr  # rank 1 printed nothing
+    got = json.loads(lines[0])
+    jsonschema.validate(json.loads(got["text"]), SCHEMA)
+    assert (got["text"], got["token_ids"], got["finish_reason"]) == (want["text"], want["token_ids"], "stop")
