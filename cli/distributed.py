@@ -5,8 +5,10 @@
 
 app.py registers this command as `generate` when the process was started by a launcher (MLX_RANK set), the
 single-process one otherwise. Rank 0 reads the prompt and writes the answer (stdout) and every message
-(stderr); the other ranks print nothing but their own failures. It takes the sampling flags of `generate`;
-speculative decoding, the paged / quantized KV cache and eviction do not run sharded yet.
+(stderr); the other ranks print nothing but their own failures. It takes the sampling flags of `generate` and
+its structured-output flags (--json-schema, --regex, --grammar, --format, --no-forced-spans: the grammar runs on
+rank 0, which picks every token); speculative decoding, the paged / quantized KV cache and eviction do not run
+sharded yet.
 """
 
 import json
@@ -17,8 +19,9 @@ from typing import Annotated, List
 import typer
 
 from .errors import fail, user_errors
-from .options import (MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, SystemOpt,
-                      TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, sampling_params)
+from .options import (FormatOpt, GrammarOpt, JsonSchemaOpt, MaxTokensOpt, MinPOpt, ModelOpt, NoForcedSpansOpt,
+                      RegexOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+                      VerboseOpt, Weights, WeightsOpt, constraint_kwargs, sampling_params)
 
 PARALLEL = "Several processes"
 ParallelOpt = Annotated[str, typer.Option(
@@ -53,6 +56,11 @@ def generate(
     weights: WeightsOpt = Weights.auto,
     parallel: ParallelOpt = "auto",
     backend: BackendOpt = "any",
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
+    fmt: FormatOpt = None,
+    no_forced_spans: NoForcedSpansOpt = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print timing stats to stderr (rank 0).")] = False,
@@ -72,9 +80,10 @@ def generate(
         if group is None:
             raise fail(f"unknown --backend {backend!r}; use one of any, ring, jaccl, mpi, nccl")
         try:
+            structured = constraint_kwargs(json_schema, regex, grammar, fmt, no_forced_spans)
             _generate(group, prompt, model, sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed,
                                                             repetition_penalty, stop),
-                      system, no_chat_template, weights.value, parallel, as_json, stats or verbose)
+                      system, no_chat_template, weights.value, parallel, as_json, stats or verbose, structured)
         except BaseException:
             if rank != 0:  # rank 0 says what went wrong; the others leave quietly with the same status
                 sys.stderr = open(os.devnull, "w")
@@ -82,17 +91,20 @@ def generate(
 
 
 def _generate(group, prompt: str, model, params, system, no_chat_template: bool, weights: str, parallel: str,
-              as_json: bool, show_stats: bool) -> None:
+              as_json: bool, show_stats: bool, structured: dict) -> None:
     from mlx_infer.distributed import LockstepStats, broadcast_ints, load_sharded, lockstep_tokens
+    from mlx_infer.distributed.structured import LeadPick
     from mlx_infer.errors import MlxInferError
     from mlx_infer.generation.prompt import PromptCodec
+    from mlx_infer.generation.structured_request import structured_options
     from mlx_infer.speculative.target import output_vocab
+    from mlx_infer.structured.grammar import Grammars
 
     from .generate import read_prompt
 
     shard = load_sharded(model, group, parallel, weights)
     tokenizer = shard.tokenizer
-    ids, error = None, None
+    ids, error, picker = None, None, None
     if group.is_root:
         try:
             if prompt == "-":  # mlx.launch passes stdin on but never its end: reading it would wait forever
@@ -102,6 +114,10 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
                 raise fail("--system needs the chat template; drop --no-chat-template or --system")
             ids = PromptCodec(tokenizer, output_vocab(shard.model)).encode(read_prompt(prompt), system,
                                                                             not no_chat_template)
+            if structured:  # rank 0 picks every token: the grammar runs there only (distributed/structured.py)
+                grammars = Grammars(tokenizer, output_vocab(shard.model), tokenizer.eos_token_ids)
+                options = structured_options(lambda: grammars, **structured)
+                picker = LeadPick(params, options.grammar(grammars))
         except MlxInferError as e:
             error = e
     (ok,) = broadcast_ints(group, [int(error is None)] if group.is_root else None, 1, "the prompt check")
@@ -128,8 +144,10 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
     run = LockstepStats()
     finish = "length"
     for token in lockstep_tokens(shard, ids, params, tokenizer.eos_token_ids, run,
-                                 stop=found_stop if group.is_root else None):
+                                 stop=found_stop if group.is_root else None, picker=picker):
         tokens.append(token)
+    if picker is not None:
+        picker.close()
     if len(tokens) < params.max_tokens:
         finish = "stop"
     if not group.is_root:

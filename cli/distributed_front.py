@@ -30,14 +30,16 @@ from .serve import AccessLogOpt, ApiKeyOpt, HostOpt, MaxTokensLimitOpt, PortOpt
 
 
 def run_sharded(model: Optional[str], weights: str, parallel: str, backend: str, verbose: bool,
-                front: Callable) -> None:
+                front: Callable, keep_cache: bool = False) -> None:
     """Load this rank's shard; rank 0 runs front(engine) (a LeadEngine, its lead thread started) and then shuts
-    the other ranks down, which follow its commands meanwhile. A failure is one line on rank 0; the other ranks
-    leave quietly with the same status."""
+    the other ranks down, which follow its commands meanwhile. keep_cache: every rank keeps its KV cache from
+    one request to the next (a chat's turns; distributed/kept.py). A failure is one line on rank 0; the other
+    ranks leave quietly with the same status."""
     from mlx_infer.distributed import init_group, load_sharded, watchdog
     from mlx_infer.distributed.commands import follow, lead_in_thread
     from mlx_infer.distributed.front import LeadEngine
     from mlx_infer.distributed.generate import follow_request
+    from mlx_infer.distributed.kept import KeptCache
 
     group = init_group(backend) if backend in ("any", "ring", "jaccl", "mpi", "nccl") else None
     rank = group.rank if group is not None else 0
@@ -49,11 +51,12 @@ def run_sharded(model: Optional[str], weights: str, parallel: str, backend: str,
             shard = load_sharded(model, group, parallel, weights)
             if not group.is_root:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every rank: rank 0's
-                follow(group, lambda max_tokens: follow_request(shard, max_tokens))
+                kept = KeptCache() if keep_cache else None
+                follow(group, lambda max_tokens: follow_request(shard, max_tokens, kept))
                 return
             inbox: "queue.Queue" = queue.Queue()
             lead = lead_in_thread(group, inbox)
-            engine = LeadEngine(shard, inbox)
+            engine = LeadEngine(shard, inbox, keep_cache)
             try:
                 front(engine)
             finally:
@@ -86,7 +89,8 @@ def chat(
 
     Rank 0 reads the turns from stdin and prints the answers; every rank runs each step in lockstep. /reset
     clears the history, /exit quits (mlx.launch does not pass on the end of its input: end a piped chat with
-    /exit). Each turn prefills the whole history (no KV cache is kept between turns when sharded).
+    /exit). Every rank keeps its KV cache between turns: each turn prefills only what follows the tokens it
+    holds.
     """
     from .chat import ChatSession, require_chat_template
     from .progress import isatty
@@ -97,7 +101,7 @@ def chat(
         require_chat_template(engine)
         ChatSession(engine, fit_to_model(params, engine), system, stats, verbose, interactive=isatty()).run()
 
-    run_sharded(model, weights.value, parallel, backend, verbose, front)
+    run_sharded(model, weights.value, parallel, backend, verbose, front, keep_cache=True)
 
 
 def serve(
@@ -119,7 +123,8 @@ def serve(
     POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models, GET /health.
 
     Requests run one at a time in the order they came (no continuous batching when sharded), each in lockstep
-    over the ranks; response_format, tools and logprobs are refused with a 400. Ctrl-C stops it.
+    over the ranks; response_format, tools and logprobs run as in one process (rank 0 picks each token). Ctrl-C
+    stops it.
     """
     from mlx_infer.server import ServerConfig
     from mlx_infer.server.app import build_pool_app

@@ -7,10 +7,11 @@ request run in lockstep on the lead thread (commands.py), one at a time in the o
     Served("default", engine, engine.runner)                       # mlx_infer/server's app (submit, on_step)
 
 What it takes of Engine: stream_steps (a prompt, SamplingParams, a system prompt), batch_request (a prompt, its
-SamplingParams, chat_template), encode / decode, reset (a no-op: no KV cache is kept between requests, each
-request prefills its whole prompt), tokenizer, source, vocab_size, context_length. What it refuses, with a
-RequestError naming the field (the server's 400): response_format, tools, logprobs, speculative decoding and
-eviction, which do not run sharded yet (docs/distributed.md).
+SamplingParams, chat_template, and response_format, tools, tool_choice, logprobs as one process checks them:
+the grammar and logprobs run on rank 0, distributed/structured.py), encode / decode, reset (forgets the KV
+cache kept between requests with keep_cache, a chat's; else each request prefills its whole prompt), tokenizer, source, vocab_size,
+context_length, grammars. What it refuses, with a RequestError naming the field (the server's 400):
+speculative decoding and eviction, which do not run sharded yet (docs/distributed.md).
 """
 
 import copy
@@ -23,12 +24,17 @@ from ..batch.run import prompt_request
 from ..errors import RequestError
 from ..generation.detokenize import make_detokenizer
 from ..generation.prompt import Prompt, PromptCodec
+from ..generation.logprobs import LogprobQueue
 from ..generation.request import sampling_params
 from ..generation.results import GenerationStep
 from ..generation.sampling import SamplingParams
+from ..generation.structured_request import structured_options
 from ..speculative.target import output_vocab
+from ..structured.grammar import Grammars, GrammarState
+from ..tools.plan import plan_tools
 from .commands import finish, submit
 from .generate import lockstep_steps
+from .kept import KeptCache
 from .load import Shard
 
 __all__ = ["LeadEngine", "LeadHandle", "LeadRequest", "LeadRunner"]
@@ -39,12 +45,15 @@ OnStep = Callable[[Union[GenerationStep, BaseException]], None]
 
 @dataclass
 class LeadRequest:
-    """A checked request: its prompt's token ids and its SamplingParams (max_tokens capped by the context
-    window). `tools` is always None (the server's Choice reads it)."""
+    """A checked request: its prompt's token ids, its SamplingParams (max_tokens capped by the context window),
+    and its structured options (rank 0's: the grammar's state, the logprobs' queue, the ToolPlan, which the
+    server's Choice reads as `tools`; None where not asked for)."""
 
     prompt_ids: List[int]
     params: SamplingParams
     tools: Any = None
+    grammar: Optional[GrammarState] = None
+    logprobs: Optional[LogprobQueue] = None
 
     @property
     def max_tokens(self) -> int:
@@ -104,7 +113,9 @@ class LeadRunner:
 
         try:
             for step in lockstep_steps(engine.shard, request.prompt_ids, request.params,
-                                       copy.copy(engine.detokenizer), engine.tokenizer.eos_token_ids, cancel):
+                                       copy.copy(engine.detokenizer), engine.tokenizer.eos_token_ids, cancel,
+                                       grammar=request.grammar, logprobs=request.logprobs, tools=request.tools,
+                                       kept=engine.kept):
                 deliver(step)
         except BaseException as e:
             deliver(e)
@@ -141,15 +152,27 @@ class LeadEngine:
     Args:
         shard: rank 0's Shard.
         inbox: the lead thread's queue (commands.lead_in_thread).
+        keep_cache: keep the KV cache from one request to the next (a chat: each turn prefills only what
+            follows the tokens it holds; kept.py): every rank then follows with a KeptCache of its own.
     """
 
-    def __init__(self, shard: Shard, inbox: "queue.Queue"):
+    def __init__(self, shard: Shard, inbox: "queue.Queue", keep_cache: bool = False):
         self.shard, self.inbox = shard, inbox
+        self.kept: Optional[KeptCache] = KeptCache() if keep_cache else None
         self.tokenizer, self.source, self.config = shard.tokenizer, shard.source, shard.config
         self.vocab_size = output_vocab(shard.model)
         self.codec = PromptCodec(shard.tokenizer, self.vocab_size)
         self.detokenizer = make_detokenizer(shard.tokenizer)  # copied per request
+        self._grammars: Optional[Grammars] = None  # (built on first use: `grammars`)
         self.runner = LeadRunner(self)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The model's Grammars (structured generation's constraint compiler, as Engine.grammars), built on
+        first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
 
     @property
     def context_length(self) -> int:
@@ -166,30 +189,37 @@ class LeadEngine:
         return self.codec.decode(token_ids)
 
     def reset(self) -> None:
-        """Nothing to forget: no KV cache is kept between requests."""
+        """Forget the kept KV cache (the next request prefills its whole prompt on every rank: rank 0 decides
+        what is reused). Call it between requests."""
+        if self.kept is not None:
+            self.kept.clear()
 
     def batch_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                       chat_template: bool = True, speculative: str = "off", evict: Optional[str] = None,
                       repack: bool = True, response_format: Any = None, tools: Any = None, tool_choice: Any = None,
-                      parallel_tool_calls: bool = True, logprobs: Optional[int] = None,
+                      parallel_tool_calls: bool = True, logprobs: Optional[int] = None, forced_spans: bool = True,
                       **sampling: Any) -> LeadRequest:
-        """A checked request for runner.submit (as Engine.batch_request; any thread).
+        """A checked request for runner.submit (as Engine.batch_request; any thread): response_format, tools,
+        tool_choice, parallel_tool_calls, logprobs and forced_spans checked and built as one process does
+        (generation/structured_request.py, tools/plan.py).
 
         Raises:
-            RequestError: a bad prompt (param "prompt": empty, over the context window, ...) or sampling field;
-                a field that does not run sharded (response_format, tools, tool_choice, logprobs, speculative,
-                evict), naming it.
+            RequestError: a bad prompt (param "prompt": empty, over the context window, ...), sampling field or
+                structured option (ConstraintError, naming it); a field that does not run sharded
+                (speculative, evict), naming it.
         """
-        unsupported = {"response_format": response_format, "tools": tools, "logprobs": logprobs,
-                       "tool_choice": None if tool_choice == "none" else tool_choice,
-                       "speculative": None if speculative == "off" else speculative, "evict": evict}
+        unsupported = {"speculative": None if speculative == "off" else speculative, "evict": evict}
         for name, value in unsupported.items():
             if value is not None:
                 raise RequestError(f"'{name}' is not supported while the model is split over mlx.launch ranks "
                                    "(see docs/distributed.md): drop it, or serve the model from one process", name)
         params = sampling_params(params, sampling, self.vocab_size)
-        ids = prompt_request(lambda: self.codec.fitting(prompt, self.context_length, system, chat_template))
-        return LeadRequest(ids, replace(params, max_tokens=min(params.max_tokens, self.context_length - len(ids))))
+        plan = plan_tools(self.tokenizer, tools, tool_choice, parallel_tool_calls, self.grammars)
+        structured = structured_options(lambda: self.grammars, response_format, logprobs, forced_spans, plan)
+        ids = prompt_request(lambda: self.codec.fitting(prompt, self.context_length, system, chat_template,
+                                                        structured.tools))
+        return LeadRequest(ids, replace(params, max_tokens=min(params.max_tokens, self.context_length - len(ids))),
+                           structured.tools, structured.grammar(self.grammars), structured.queue())
 
     def stream_steps(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                      progress: Any = None) -> Iterator[GenerationStep]:

@@ -155,12 +155,12 @@ def _structured_tokens(model: nn.Module, forward: Callable, prompt_ids: List[int
         undelivered = 0  # tokens in the cache not yielded yet (a forced span's tail)
         try:
             while made < max_tokens:
-                token = _pick(raw, history, processors, params, sampler, grammar)
+                token = pick_structured(raw, history, processors, params, sampler, grammar)
                 if made == 0 and progress is not None:
                     progress(total, total)
                 if logprobs is not None:
                     logprobs.add(raw, [token])
-                forced = _commit(grammar, token, max_tokens - made - 1)
+                forced = commit_forced(grammar, token, max_tokens - made - 1)
                 history = (history + [token] + forced)[-window:]
                 if made + 1 < max_tokens:  # the next forward runs while the token is delivered
                     pending = [token] + forced
@@ -188,10 +188,11 @@ def _structured_tokens(model: nn.Module, forward: Callable, prompt_ids: List[int
                 trim_prompt_cache(cache, undelivered)
 
 
-def _pick(raw: mx.array, history: List[int], processors: list, params: SamplingParams, sampler: Callable,
+def pick_structured(raw: mx.array, history: List[int], processors: list, params: SamplingParams, sampler: Callable,
           grammar: Optional[GrammarState]) -> int:
     """The next token from raw logits [1, V] float32: logits processors over `history`, the grammar's mask
-    (GrammarState.mask: the one prefetched), then pick_token. Evaluates."""
+    (GrammarState.mask: the one prefetched), then pick_token. Evaluates. (Also rank 0's pick of a sharded
+    request: distributed/structured.py.)"""
     logits = raw
     for proc in processors:
         logits = proc(mx.array(history, dtype=mx.uint32), logits)
@@ -200,7 +201,7 @@ def _pick(raw: mx.array, history: List[int], processors: list, params: SamplingP
     return int(pick_token(logits, params, sampler).item())
 
 
-def _commit(grammar: Optional[GrammarState], token: int, room: int) -> List[int]:
+def commit_forced(grammar: Optional[GrammarState], token: int, room: int) -> List[int]:
     """The grammar consumes `token`, then the tokens it forces after it (at most `room`), which it returns
     (consumed); [] without a grammar. Raises ConstraintError for a token the grammar refuses (a bug)."""
     if grammar is None:

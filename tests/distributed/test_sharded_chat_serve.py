@@ -6,6 +6,7 @@ heartbeats: mlx_infer/distributed/commands.py)."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -107,15 +108,22 @@ def _errors(stderr: str) -> list:
 @pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
 def test_chat_two_turns_equal_one_process(tiny_q8, parallel):
     """Two turns piped to rank 0 (then /exit): the answers, the second one to the whole history, equal the
-    one-process chat's (the dense KV cache, no speculation: plain greedy decoding), printed once."""
+    one-process chat's (the dense KV cache, no speculation: plain greedy decoding), printed once. The second
+    turn prefills only what follows the first turn's tokens in the KV cache every rank kept (--stats: its
+    "prompt N tok (K cached)", 0 < K < N; the first turn has none cached)."""
     args = ["chat", "--model", tiny_q8, "--max-tokens", str(MAX_TOKENS)]
     expected = _one_process([*args, "--kv-cache", "dense", "--spec", "off"], "\n".join(TURNS) + "\n")
     assert len(expected.splitlines()) == 2 and expected.strip()
-    job = Launched([*args, "--parallel", parallel])
+    job = Launched([*args, "--parallel", parallel, "--stats"])
     job.write("\n".join(TURNS) + "\n/exit\n")
     out, err = job.wait()
     assert out == expected, err
     assert not _errors(err), err
+    prompts = re.findall(r"prompt (\d+) tok(?: \((\d+) cached\))?", err)
+    assert len(prompts) == 2 and prompts[0][1] == "", err
+    total, cached = int(prompts[1][0]), int(prompts[1][1] or 0)
+    assert int(prompts[0][0]) <= cached < total, err  # the first turn's prompt at least (and its answer's tokens
+    #                                                    as far as the history's text tokenizes to them again)
 
 
 def test_chat_idle_longer_than_the_step_timeout_lives_on(tiny_q8):
@@ -251,16 +259,10 @@ def test_serve_two_concurrent_streams_both_complete(server, tiny_q8):
     assert results == [(w["text"], w["finish_reason"]) for w in wants]
 
 
-def test_serve_refuses_what_does_not_run_sharded(server):
+def test_serve_unknown_model_is_a_404(server):
+    """(tools, logprobs and response_format run sharded: test_sharded_serve_structured.py.)"""
     url, job = server
     client = _client(url)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    for kw, param in (({"tools": tools}, "tools"), ({"logprobs": True}, "logprobs"),
-                      ({"response_format": {"type": "json_object"}}, "response_format")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="llama-q8", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4, **kw)
-        assert e.value.body["param"] == param and "split over mlx.launch ranks" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert job.proc.poll() is None and not _errors(job.err.decode(errors="replace"))

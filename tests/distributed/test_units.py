@@ -1,6 +1,7 @@
 """The distributed package's pieces in one process: layer ranges, the tensor plan's splits and checks, the
 model digest, the step timeout's parsing, a group of one; the command loop and rank 0's front."""
 
+import json
 import queue
 import shutil
 import signal
@@ -129,7 +130,8 @@ def tiny_chat(tmp_path_factory):
 
 def test_lead_engine_steps_equal_one_engine(tiny_chat):
     """LeadEngine over a group of one (the lead thread running lockstep_steps) gives the Engine's text, tokens
-    and finish reason, also with a stop string cut from that text, and refuses what does not run sharded."""
+    and finish reason, also with a stop string cut from that text, and refuses what does not run sharded
+    (speculative decoding)."""
     engine = mlx_infer.load(tiny_chat)
     messages = [{"role": "user", "content": "hello there"}]
     plain = engine.generate(messages, SamplingParams(max_tokens=12))
@@ -155,9 +157,9 @@ def test_lead_engine_steps_equal_one_engine(tiny_chat):
         handle = front.runner.submit(front.batch_request(messages, SamplingParams(max_tokens=12)), gone)
         assert handle.future.result() is None and len(got) == 1 and handle.cancelled.is_set()
         assert "".join(s.text for s in front.stream_steps(messages, SamplingParams(max_tokens=12))) == plain.text
-        with pytest.raises(RequestError, match="'tools' is not supported while the model is split") as e:
-            front.batch_request(messages, tools=[{"type": "function", "function": {"name": "f"}}])
-        assert e.value.param == "tools"
+        with pytest.raises(RequestError, match="'speculative' is not supported while the model is split") as e:
+            front.batch_request(messages, speculative="lookup")
+        assert e.value.param == "speculative"
     finally:
         front.runner.close()
         lead.join()
@@ -178,3 +180,80 @@ def test_sigterm_gives_one_line_when_the_main_thread_is_free():
     assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
         "error: rank 0: stopped by mlx.launch: another rank of the group failed or was killed (its error, if it "
         "wrote one, is above)"], err
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                                          "n": {"type": "integer"}},
+          "required": ["ok", "color", "n"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+
+
+def test_lead_engine_structured_equals_one_engine(tiny_chat):
+    """Over a group of one, a LeadEngine request with response_format (a JSON schema: jump-forward over the
+    forced tokens), logprobs with top_logprobs, or tools with tool_choice "required" gives the Engine's tokens,
+    text, finish reason and tool call (the tiny model's context ends just after it); logprobs within 1e-5 of
+    the Engine's (its compiled decode step sums in another order), the same top tokens."""
+    engine = mlx_infer.load(tiny_chat)
+    messages = [{"role": "user", "content": "hello there"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    inbox = queue.Queue()
+    lead = commands.lead_in_thread(init_group("any"), inbox)
+    front = LeadEngine(load_sharded(tiny_chat, init_group("any")), inbox)
+
+    def run(**kw):
+        steps = list(front.runner.steps(front.batch_request(messages, SamplingParams(max_tokens=kw.pop("n")), **kw)))
+        return steps, "".join(s.text for s in steps), [s.token for s in steps if s.token is not None]
+
+    try:
+        want = engine.generate(messages, SamplingParams(max_tokens=60), response_format=fmt)
+        steps, text, tokens = run(n=60, response_format=fmt)
+        assert text == want.text and tokens == want.token_ids and steps[-1].finish_reason == want.finish_reason
+        assert set(json.loads(text)) == {"ok", "color", "n"}
+        want = engine.generate(messages, SamplingParams(max_tokens=8), logprobs=3)
+        steps, text, tokens = run(n=8, logprobs=3)
+        got = [s.logprob for s in steps if s.token is not None]
+        assert tokens == want.token_ids and [g.token for g in got] == tokens
+        for g, w in zip(got, want.logprobs):
+            assert abs(g.logprob - w.logprob) < 1e-5 and [t for t, _ in g.top] == [t for t, _ in w.top]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(g.top, w.top)) < 1e-5
+        want = engine.generate(messages, SamplingParams(max_tokens=120), tools=TOOLS, tool_choice="required")
+        steps, text, tokens = run(n=120, tools=TOOLS, tool_choice="required")
+        assert tokens == want.token_ids and steps[-1].finish_reason == want.finish_reason  # (the context's end)
+        (call,) = steps[-1].tool_calls
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+        assert [(c.name, c.arguments) for c in want.tool_calls] == [(call.name, call.arguments)]
+    finally:
+        front.runner.close()
+        lead.join()
+
+
+def test_lead_engine_keeps_its_cache_between_turns(tiny_chat):
+    """keep_cache over a group of one: a second turn (the first's prompt and answer, then a new line) gives the
+    Engine's answer to the whole history, its prompt's leading tokens from the kept cache (at least the first
+    turn's prompt, fewer than its own); a diverging prompt trims the cache to the common prefix; after reset
+    nothing is reused."""
+    engine = mlx_infer.load(tiny_chat)
+    inbox = queue.Queue()
+    lead = commands.lead_in_thread(init_group("any"), inbox)
+    front = LeadEngine(load_sharded(tiny_chat, init_group("any")), inbox, keep_cache=True)
+    params = SamplingParams(max_tokens=10)
+    first = [{"role": "user", "content": "hello there"}]
+    try:
+        one = list(front.stream_steps(first, params))
+        assert one[-1].stats.cached_prompt_tokens == 0
+        second = first + [{"role": "assistant", "content": "".join(s.text for s in one)},
+                          {"role": "user", "content": "what is it"}]
+        two = list(front.stream_steps(second, params))
+        want = engine.generate(second, params)
+        assert "".join(s.text for s in two) == want.text
+        assert one[-1].stats.prompt_tokens <= two[-1].stats.cached_prompt_tokens < two[-1].stats.prompt_tokens
+        other = [{"role": "user", "content": "hello world"}]
+        three = list(front.stream_steps(other, params))
+        assert "".join(s.text for s in three) == engine.generate(other, params).text
+        assert 0 < three[-1].stats.cached_prompt_tokens < three[-1].stats.prompt_tokens  # "<|im_start|>user\nhello "
+        front.reset()
+        assert list(front.stream_steps(other, params))[-1].stats.cached_prompt_tokens == 0
+    finally:
+        front.runner.close()
+        lead.join()
