@@ -248,8 +248,10 @@ def serve(
     127.0.0.1 unless told otherwise; logs one line per request (--no-access-log: none). Ctrl-C stops it, cutting
     open requests after a few seconds.
     """
+    from mlx_infer.backend import limit_malloc_arenas
     from mlx_infer.server import ServerConfig
     from mlx_infer.server.app import build_pool_app
+    from mlx_infer.server.defaults import MALLOC_ARENAS
     from mlx_infer.server.metrics import Metrics
     from mlx_infer.server.pool import ModelPool
 
@@ -262,6 +264,7 @@ def serve(
         loader = partial(load_served, weights=weights.value, verbose=verbose, rmm=rmm,
                          load_kw=load_kw, speculative=speculative, max_batch=max_batch,
                          idle_release_s=kv_idle_release or None)
+        limit_malloc_arenas(MALLOC_ARENAS)  # before the models' and the server's threads allocate
         metrics = Metrics()
         pool = ModelPool(models, loader, alias or (), keep_alive_s=keep_alive, max_loaded=max_loaded_models,
                          max_bytes=None if max_model_memory is None else int(max_model_memory * GB), metrics=metrics)

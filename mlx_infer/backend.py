@@ -37,6 +37,23 @@ def prefer_float_weights(float_bytes: int) -> bool:
     )
 
 
+#: mallopt's parameter number for M_ARENA_MAX (glibc's malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas at `arenas` (mallopt M_ARENA_MAX), unless the user set MALLOC_ARENA_MAX. Without
+    a cap every thread that allocates may get an arena of its own (up to 8 per core): a long-running server's
+    threads (decode, model loads, HTTP) leave freed pages spread over them that malloc_trim cannot give back
+    whole. Call it before the threads start. True when applied; False elsewhere (not glibc, or the
+    variable set)."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    libc = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(libc), "mallopt", None) if libc else None
+    return bool(mallopt is not None and mallopt(_M_ARENA_MAX, arenas))
+
+
 def return_free_memory() -> None:
     """Give freed memory back to the system: MLX's cache of freed buffers (mx.clear_cache), then, with glibc,
     the C heap's free pages (malloc_trim: MLX's CPU buffers of up to 32 MiB come from the heap, whose free

@@ -26,6 +26,9 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 #: Bucket bounds of /metrics' model load time histogram, seconds.
 LOAD_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: glibc malloc arenas a server process uses (backend.limit_malloc_arenas; measured in docs/benchmarks.md
+#: "Serving soak": idle memory after model swaps).
+MALLOC_ARENAS = 2
 #: Responses kept for /v1/responses' previous_response_id (the least recently used dropped first).
 RESPONSES_STORE_SIZE = 1024
 #: Characters of text those stored conversations hold at most, all together (16 to 64 MiB of Python str).
