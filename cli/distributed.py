@@ -198,4 +198,5 @@ def _spec_stats(run) -> dict:
     if not hasattr(run, "tau"):
         return {}
     return {"spec_mode": "lookup", "tau": run.tau, "rounds": run.rounds, "drafted": run.drafted,
-            "accepted": run.accepted, "committed": run.committed, "draft_s": run.draft_s, "verify_s": run.verify_s}
+            "accepted": run.accepted, "committed": run.committed, "draft_s": run.draft_s, "verify_s": run.verify_s,
+            "acceptance": run.acceptance}

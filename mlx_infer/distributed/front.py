@@ -8,9 +8,10 @@ request run in lockstep on the lead thread (commands.py), one at a time in the o
 
 What it takes of Engine: stream_steps (a prompt, SamplingParams, a system prompt), batch_request (a prompt, its
 SamplingParams, chat_template), encode / decode, reset (a no-op: no KV cache is kept between requests, each
-request prefills its whole prompt), tokenizer, source, vocab_size, context_length. What it refuses, with a
-RequestError naming the field (the server's 400): response_format, tools, logprobs, speculative decoding and
-eviction, which do not run sharded yet (docs/distributed.md).
+request prefills its whole prompt), tokenizer, source, vocab_size, context_length. Speculative decoding:
+"lookup" (speculative.py: rank 0 drafts and verifies, SPEC_REQUEST to the other ranks) or "off". What it
+refuses, with a RequestError naming the field (the server's 400): response_format, tools, logprobs, the other
+speculative modes and eviction, which do not run sharded yet (docs/distributed.md).
 """
 
 import copy
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, List, Optional, Union
 
 from ..batch.run import prompt_request
+from ..defaults import DEFAULT_MAX_DRAFT
 from ..errors import RequestError
 from ..generation.detokenize import make_detokenizer
 from ..generation.prompt import Prompt, PromptCodec
@@ -30,6 +32,7 @@ from ..speculative.target import output_vocab
 from .commands import finish, submit
 from .generate import lockstep_steps
 from .load import Shard
+from .speculative import SPEC_MODES, spec_lockstep_steps
 
 __all__ = ["LeadEngine", "LeadHandle", "LeadRequest", "LeadRunner"]
 
@@ -40,11 +43,13 @@ OnStep = Callable[[Union[GenerationStep, BaseException]], None]
 @dataclass
 class LeadRequest:
     """A checked request: its prompt's token ids and its SamplingParams (max_tokens capped by the context
-    window). `tools` is always None (the server's Choice reads it)."""
+    window); max_draft: a speculative (lookup) request's draft tokens per round, None for plain decoding.
+    `tools` is always None (the server's Choice reads it)."""
 
     prompt_ids: List[int]
     params: SamplingParams
     tools: Any = None
+    max_draft: Optional[int] = None
 
     @property
     def max_tokens(self) -> int:
@@ -82,7 +87,7 @@ class LeadRunner:
         exception that failed it."""
         handle = LeadHandle()
         handle.future = submit(self.engine.inbox, request.max_tokens,
-                               lambda: self._run(request, on_step, handle.cancelled))
+                               lambda: self._run(request, on_step, handle.cancelled), request.max_draft)
         return handle
 
     def _run(self, request: LeadRequest, on_step: OnStep, cancel: threading.Event) -> None:
@@ -103,8 +108,11 @@ class LeadRunner:
                 cancel.set()
 
         try:
-            for step in lockstep_steps(engine.shard, request.prompt_ids, request.params,
-                                       copy.copy(engine.detokenizer), engine.tokenizer.eos_token_ids, cancel):
+            args = (engine.shard, request.prompt_ids, request.params, copy.copy(engine.detokenizer),
+                    engine.tokenizer.eos_token_ids, cancel)
+            steps = (lockstep_steps(*args) if request.max_draft is None
+                     else spec_lockstep_steps(*args, max_draft=request.max_draft))
+            for step in steps:
                 deliver(step)
         except BaseException as e:
             deliver(e)
@@ -141,10 +149,14 @@ class LeadEngine:
     Args:
         shard: rank 0's Shard.
         inbox: the lead thread's queue (commands.lead_in_thread).
+        speculative: the mode of stream_steps' requests (a chat's --spec): "off" or "lookup".
+        max_draft: draft tokens per round of a lookup request.
     """
 
-    def __init__(self, shard: Shard, inbox: "queue.Queue"):
+    def __init__(self, shard: Shard, inbox: "queue.Queue", speculative: str = "off",
+                 max_draft: int = DEFAULT_MAX_DRAFT):
         self.shard, self.inbox = shard, inbox
+        self.speculative, self.max_draft = speculative, max_draft
         self.tokenizer, self.source, self.config = shard.tokenizer, shard.source, shard.config
         self.vocab_size = output_vocab(shard.model)
         self.codec = PromptCodec(shard.tokenizer, self.vocab_size)
@@ -177,23 +189,25 @@ class LeadEngine:
 
         Raises:
             RequestError: a bad prompt (param "prompt": empty, over the context window, ...) or sampling field;
-                a field that does not run sharded (response_format, tools, tool_choice, logprobs, speculative,
-                evict), naming it.
+                a field that does not run sharded (response_format, tools, tool_choice, logprobs, a speculative
+                mode other than off / lookup, evict), naming it.
         """
         unsupported = {"response_format": response_format, "tools": tools, "logprobs": logprobs,
                        "tool_choice": None if tool_choice == "none" else tool_choice,
-                       "speculative": None if speculative == "off" else speculative, "evict": evict}
+                       "speculative": None if speculative in SPEC_MODES else speculative, "evict": evict}
         for name, value in unsupported.items():
             if value is not None:
                 raise RequestError(f"'{name}' is not supported while the model is split over mlx.launch ranks "
                                    "(see docs/distributed.md): drop it, or serve the model from one process", name)
         params = sampling_params(params, sampling, self.vocab_size)
         ids = prompt_request(lambda: self.codec.fitting(prompt, self.context_length, system, chat_template))
-        return LeadRequest(ids, replace(params, max_tokens=min(params.max_tokens, self.context_length - len(ids))))
+        return LeadRequest(ids, replace(params, max_tokens=min(params.max_tokens, self.context_length - len(ids))),
+                           max_draft=self.max_draft if speculative == "lookup" else None)
 
     def stream_steps(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                      progress: Any = None) -> Iterator[GenerationStep]:
         """The steps of one request (as Engine.stream_steps, without its speculative, KV and structured options;
-        `progress` is not called: the prefill runs on the lead thread). Raises RequestError as batch_request,
-        DistributedError while it runs (a generator, as Engine's: the errors come with its first step)."""
-        yield from self.runner.steps(self.batch_request(prompt, params, system=system))
+        `progress` is not called: the prefill runs on the lead thread; speculative: the engine's mode). Raises
+        RequestError as batch_request, DistributedError while it runs (a generator, as Engine's: the errors come
+        with its first step)."""
+        yield from self.runner.steps(self.batch_request(prompt, params, system=system, speculative=self.speculative))

@@ -126,7 +126,9 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
 
 
 def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingParams, detokenizer: StreamingDetokenizer,
-                   eos_ids: Sequence[int], cancel: Optional[threading.Event] = None) -> Iterator[GenerationStep]:
+                   eos_ids: Sequence[int], cancel: Optional[threading.Event] = None,
+                   tokens: Optional[Callable[..., Iterator[int]]] = None,
+                   run: Optional[LockstepStats] = None) -> Iterator[GenerationStep]:
     """Rank 0's side of one request in lockstep, as the engine's steps: text and token per step, the last with
     finish_reason and stats; EOS, stop strings and max_tokens decided by generation.assemble.StepAssembler (as in
     one process, so the text of the same tokens is the same). The other ranks run follow_request(shard,
@@ -139,6 +141,9 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
         eos_ids: the tokens that end the request (not delivered).
         cancel: set (any thread) ends the request after the next token on every rank (finish_reason
             "cancelled").
+        tokens: the token generator, lockstep_tokens' signature (None: lockstep_tokens; speculative.py's
+            spec_lockstep_tokens decides several tokens a round, `stop` asked for each in order).
+        run: the stats it fills (None: a LockstepStats of its own).
 
     Yields:
         GenerationStep; the last has finish_reason ("stop", "length" or "cancelled") and GenerationStats.
@@ -153,11 +158,11 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
         texts.append(asm.add(token))
         return texts[-1] is None or (cancel is not None and cancel.is_set())
 
-    run = LockstepStats()
+    run = run if run is not None else LockstepStats()
     start, first = time.perf_counter(), None
-    for token in lockstep_tokens(shard, prompt_ids, params, (), run, stop=decide):
+    for token in (tokens or lockstep_tokens)(shard, prompt_ids, params, (), run, stop=decide):
         first = first if first is not None else time.perf_counter()
-        text = texts.pop()
+        text = texts.pop(0)  # (decided in order; a speculative round decides several before they are yielded)
         if text is not None:
             yield GenerationStep(text, token)
     end = time.perf_counter()

@@ -27,25 +27,30 @@ parallel computes each layer as one process does. The followers need nothing but
 sampling parameters, EOS ids or stop strings), so any rank 0 request can be followed by `follow_spec_request`.
 """
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_VERIFY_WIDTH
 from ..errors import MlxInferError
+from ..generation.results import GenerationStep
 from ..generation.sampling import SamplingParams, build_logits_processors
 from ..speculative.drafters.base import Drafter
 from ..speculative.drafters.lookup import LookupDrafter
 from ..speculative.verify import verify_round
-from .generate import PREFILL_CHUNK, LockstepStats
+from .generate import PREFILL_CHUNK, LockstepStats, lockstep_steps
 from .group import broadcast_ints, broadcast_list
 from .load import Shard
 from .watchdog import guarded
 
-__all__ = ["SPEC_MODES", "SpecLockstepStats", "follow_spec_request", "spec_lockstep_tokens"]
+__all__ = ["SPEC_MODES", "SpecLockstepStats", "check_rollback", "follow_spec_request", "spec_lockstep_steps",
+           "spec_lockstep_tokens"]
 
 #: The speculative modes that run sharded ("off": plain lockstep decoding).
 SPEC_MODES = ("off", "lookup")
@@ -62,6 +67,8 @@ class SpecLockstepStats(LockstepStats):
         committed: tokens the decode forwards committed and were delivered (the first token, picked from the
             prefill's logits, is not one).
         draft_s, verify_s: rank 0's drafting and accept / reject time, seconds.
+        proposed, kept: proposed[i] = rounds that verified a draft token at position i (0-based), kept[i] =
+            rounds that accepted it (rank 0).
     """
 
     rounds: int = 0
@@ -70,6 +77,8 @@ class SpecLockstepStats(LockstepStats):
     committed: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    proposed: List[int] = field(default_factory=list)
+    kept: List[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -77,9 +86,29 @@ class SpecLockstepStats(LockstepStats):
         return self.committed / self.rounds if self.rounds else 0.0
 
     @property
-    def acceptance(self) -> float:
-        """Share of the drafted tokens kept."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance(self) -> List[float]:
+        """Per-position acceptance rates, kept[i] / proposed[i] (as speculative.feedback.SpecStats')."""
+        return [k / p if p else 0.0 for k, p in zip(self.kept, self.proposed)]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Count a verified draft of `drafted` tokens of which the first `accepted` were kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.proposed) < drafted:
+            self.proposed.append(0)
+            self.kept.append(0)
+        for i in range(drafted):
+            self.proposed[i] += 1
+            self.kept[i] += i < accepted
+
+
+def check_rollback(cache: Sequence) -> None:
+    """Raise MlxInferError unless every layer cache of the rank (mlx-lm's, make_prompt_cache) can roll back
+    (every rank decides the same from the same model): check it before a job starts, so that a model that
+    cannot speculate fails at once on every rank."""
+    if not can_trim_prompt_cache(cache):
+        raise MlxInferError("speculative decoding needs a KV cache that can roll back; this model's cannot: use "
+                            "--spec off")
 
 
 def _forward_rows(shard: Shard, ids: Sequence[int], cache, what: str) -> mx.array:
@@ -168,9 +197,7 @@ def spec_lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], para
     gamma = min(max(int(max_draft), 0), MAX_VERIFY_WIDTH - 1)
     width = message_width(gamma)
     cache = make_prompt_cache(shard.model)
-    if not can_trim_prompt_cache(cache):
-        raise MlxInferError("speculative decoding needs a KV cache that can roll back; this model's cannot: use "
-                            "--spec off")
+    check_rollback(cache)
     ids = broadcast_list(group, prompt_ids, "the prompt's token ids")
     stats.prompt_tokens = len(ids)
     root = group.is_root
@@ -219,8 +246,7 @@ def _lead_round(stats: SpecLockstepStats, logits: mx.array, history: List[int], 
     n, nxt = int(n.item()), int(nxt.item())
     deliver, end = _cut(draft[:n] + [nxt], eos, stop, params.max_tokens - stats.generated_tokens)
     history.extend(deliver)
-    stats.drafted += len(draft)
-    stats.accepted += n
+    stats.record(len(draft), n)
     t1 = time.perf_counter()
     room = params.max_tokens - stats.generated_tokens - len(deliver) - 1  # the next round commits one more
     proposal = [] if end or room <= 0 else drafter.propose(history, min(gamma, room)).tokens[:gamma]
@@ -233,3 +259,24 @@ def follow_spec_request(shard: Shard, max_draft: int = DEFAULT_MAX_DRAFT) -> int
     """The other ranks' side of one request that rank 0 runs with spec_lockstep_tokens (the same max_draft):
     every forward and broadcast to its end; the number of tokens stepped. Raises DistributedError."""
     return sum(1 for _ in spec_lockstep_tokens(shard, None, SamplingParams(), max_draft=max_draft))
+
+
+def spec_lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingParams,
+                        detokenizer: StreamingDetokenizer, eos_ids: Sequence[int],
+                        cancel: Optional[threading.Event] = None,
+                        max_draft: int = DEFAULT_MAX_DRAFT) -> Iterator[GenerationStep]:
+    """Rank 0's side of one speculative request, as generate.lockstep_steps (text, EOS, stop strings, max_tokens
+    and cancel decided the same way) over spec_lockstep_tokens; the last step's stats carry spec_mode "lookup",
+    tau, rounds, draft_s and verify_s (the verify forwards and the accept / reject). The other ranks run
+    follow_spec_request(shard, max_draft) meanwhile (commands.SPEC_REQUEST).
+
+    Raises:
+        DistributedError: a peer lost. MlxInferError: a model whose KV cache cannot roll back.
+    """
+    run = SpecLockstepStats()
+    tokens = partial(spec_lockstep_tokens, max_draft=max_draft)
+    for step in lockstep_steps(shard, prompt_ids, params, detokenizer, eos_ids, cancel, tokens=tokens, run=run):
+        if step.stats is not None:
+            step.stats = replace(step.stats, spec_mode="lookup", tau=run.tau, rounds=run.rounds, draft_s=run.draft_s,
+                                 verify_s=run.decode_s + run.verify_s, acceptance=run.acceptance)
+        yield step

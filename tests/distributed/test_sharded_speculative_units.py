@@ -1,13 +1,17 @@
 """Speculative decoding in lockstep (mlx_infer/distributed/speculative.py) on a group of one: the round's
 message, greedy identity with plain lockstep decoding whatever the drafts (right, wrong, partly right), the
-cuts at EOS, a stop and max_tokens, a sampled run to max_tokens. The launched runs are test_sharded_speculative.py."""
+cuts at EOS, a stop and max_tokens, a sampled run to max_tokens; the SPEC_REQUEST command and rank 0's front
+(LeadEngine) with --spec lookup. The launched runs are test_sharded_speculative.py."""
+
+import queue
 
 import pytest
 
 from cli.distributed import check_spec
 from gguf_factory import Q, tiny_gguf
-from mlx_infer.distributed import init_group, load_sharded, lockstep_tokens
-from mlx_infer.errors import MlxInferError
+from mlx_infer.distributed import commands, init_group, load_sharded, lockstep_tokens
+from mlx_infer.distributed.front import LeadEngine
+from mlx_infer.errors import DistributedError, MlxInferError, RequestError
 from mlx_infer.distributed.speculative import (SpecLockstepStats, _pack, _unpack, message_width,
                                                spec_lockstep_tokens)
 from mlx_infer.generation.sampling import SamplingParams
@@ -108,7 +112,64 @@ def test_sampled_run_reaches_max_tokens(shard, plain):
 
 def test_check_spec_refuses_other_modes():
     assert check_spec(" Lookup ", 8) == "lookup" and check_spec("off", 0) == "off"
-    with pytest.raises(MlxInferError, match="--spec 'dflash' does not run over mlx.launch ranks yet; use one of off, lookup"):
+    with pytest.raises(MlxInferError, match="--spec 'dflash' does not run over mlx.launch ranks yet; use one of "
+                       "off, lookup"):
         check_spec("dflash", 8)
     with pytest.raises(MlxInferError, match="--max-draft must be an integer >= 0"):
         check_spec("lookup", -1)
+
+
+def test_follow_dispatches_speculative_requests(monkeypatch):
+    """SPEC_REQUEST carries max_draft to the speculative follower; a follower without one ends the job."""
+    script = iter([[commands.REQUEST, 9], [commands.SPEC_REQUEST, 5], [commands.IDLE, 0], [commands.SHUTDOWN, 0]])
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: next(script))
+    plain, spec = [], []
+    assert commands.follow(init_group("any"), plain.append, spec.append) == 2 and plain == [9] and spec == [5]
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: [commands.SPEC_REQUEST, 5])
+    with pytest.raises(DistributedError, match="a speculative request this rank cannot follow"):
+        commands.follow(init_group("any"), plain.append)
+
+
+def test_lead_sends_spec_request_with_max_draft(monkeypatch):
+    sent = []
+    monkeypatch.setattr(commands, "broadcast_ints", lambda group, values, n, what: sent.append(list(values)))
+    inbox = queue.Queue()
+    plain = commands.submit(inbox, 12, lambda: "plain")
+    spec = commands.submit(inbox, 12, lambda: "spec", spec_draft=6)
+    commands.finish(inbox)
+    commands.lead(init_group("any"), inbox, interval=60)
+    assert plain.result() == "plain" and spec.result() == "spec"
+    assert sent == [[commands.REQUEST, 12], [commands.SPEC_REQUEST, 6], [commands.SHUTDOWN, 0]]
+
+
+def test_lead_engine_lookup_equals_plain(tmp_path):
+    """LeadEngine with speculative "lookup" (a chat's --spec lookup; the server's) over a group of one: the
+    same text, tokens and finish reason as plain lockstep, stop strings cut alike, tau in the last step's
+    stats; the modes that do not run sharded are a RequestError naming the field."""
+    path, _, _ = tiny_gguf(tmp_path / "llama.gguf", "llama", Q.F32, seed=4)
+    messages = [{"role": "user", "content": "hello there hello there hello there"}]
+    inbox = queue.Queue()
+    lead = commands.lead_in_thread(init_group("any"), inbox)
+    shard = load_sharded(str(path), init_group("any"))
+    plain, spec = LeadEngine(shard, inbox), LeadEngine(shard, inbox, "lookup", 4)
+    try:
+        params = SamplingParams(max_tokens=16)
+        want, got = list(plain.stream_steps(messages, params)), list(spec.stream_steps(messages, params))
+        assert [s.token for s in got] == [s.token for s in want] and len(want) >= 10
+        assert "".join(s.text for s in got) == "".join(s.text for s in want)
+        assert got[-1].finish_reason == want[-1].finish_reason
+        last = got[-1].stats
+        assert last.spec_mode == "lookup" and last.rounds > 0 and last.tau >= 1.0
+        assert want[-1].stats.spec_mode is None
+        text = "".join(s.text for s in want)
+        stop = text[4:6]
+        cut = SamplingParams(max_tokens=16, stop=(stop,))
+        assert "".join(s.text for s in spec.stream_steps(messages, cut)) == text[:text.index(stop)]
+        assert plain.batch_request(messages, speculative="lookup").max_draft == 8
+        assert spec.batch_request(messages, speculative="off").max_draft is None
+        with pytest.raises(RequestError, match="'speculative' is not supported while the model is split") as e:
+            spec.batch_request(messages, speculative="dflash")
+        assert e.value.param == "speculative"
+    finally:
+        spec.runner.close()
+        lead.join()
