@@ -34,7 +34,7 @@ from functools import partial
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
 from ..defaults import DEFAULT_MAX_DRAFT, MAX_VERIFY_WIDTH
@@ -104,11 +104,12 @@ class SpecLockstepStats(LockstepStats):
 
 def check_rollback(cache: Sequence) -> None:
     """Raise MlxInferError unless every layer cache of the rank (mlx-lm's, make_prompt_cache) can roll back
-    (every rank decides the same from the same model): check it before a job starts, so that a model that
-    cannot speculate fails at once on every rank."""
-    if not can_trim_prompt_cache(cache):
-        raise MlxInferError("speculative decoding needs a KV cache that can roll back; this model's cannot: use "
-                            "--spec off")
+    whatever the request's length: no recurrent state and no sliding window (a RotatingKVCache cannot trim once
+    it has wrapped). Every rank decides the same from the same model: check it before a job starts, so that a
+    model that cannot speculate fails at once on every rank."""
+    if not can_trim_prompt_cache(cache) or any(isinstance(c, RotatingKVCache) for c in cache):
+        raise MlxInferError("speculative decoding over mlx.launch ranks needs a KV cache that can roll back (no "
+                            "recurrent state, no sliding window); this model's cannot: use --spec off")
 
 
 def _forward_rows(shard: Shard, ids: Sequence[int], cache, what: str) -> mx.array:

@@ -3,14 +3,19 @@ rank 0 drafts by prompt lookup and verifies, every rank runs each verify forward
 plain lockstep decoding, in both modes (pipeline: each row of a verify forward is what a one-token step
 computes; tensor: the same all_sums per row), with draft tokens accepted (a prompt the answer copies from); a
 sampled run ends at the requested token count with drafts verified (exact speculative sampling's path);
-`chat --spec lookup` answers as the one-process chat."""
+`chat --spec lookup` answers as the one-process chat, `serve --spec lookup` as one process's `generate`."""
 
 import json
+import signal
+import time
+import urllib.request
 
+import openai
 import pytest
 
-from launch_helpers import launch, mlx_launch
-from test_sharded_chat_serve import Launched, _errors, _one_process
+from gguf_factory import Q, tiny_gguf
+from launch_helpers import TIMEOUT_S, launch, mlx_launch
+from test_sharded_chat_serve import Launched, _errors, _free_port, _one_process
 
 pytestmark = pytest.mark.skipif(mlx_launch() is None, reason="mlx.launch (the mlx package's launcher) is missing")
 
@@ -62,3 +67,42 @@ def test_chat_lookup_two_turns_equal_one_process():
     assert out == expected, err
     assert not _errors(err), err
     assert err.count("spec lookup: tau") == 2, err
+
+
+def test_serve_lookup_equals_one_process(tmp_path):
+    """`serve --spec lookup` under mlx.launch (tensor parallel, the tiny Q8_0 llama): a chat completion and a
+    streamed one through the `openai` client equal one process's plain greedy `generate`; /metrics counts the
+    speculative requests' tau."""
+    path, _, _ = tiny_gguf(tmp_path / "llama-q8.gguf", "llama", Q.Q8_0, seed=3, layers=4)
+    model = str(path)
+    want = json.loads(_one_process(["generate", "hello there", "--model", model, "--max-tokens", "12", "--json"]))
+    port = _free_port()
+    job = Launched(["serve", "--model", model, "--port", str(port), "--parallel", "tensor", "--spec", "lookup"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.err.decode(errors="replace")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+        messages = [{"role": "user", "content": "hello there"}]
+        got = client.chat.completions.create(model="llama-q8", messages=messages, max_tokens=12, temperature=0)
+        assert got.choices[0].message.content == want["text"]
+        assert got.choices[0].finish_reason == want["finish_reason"]
+        chunks = client.chat.completions.create(model="llama-q8", messages=messages, max_tokens=12, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert 'mlx_infer_speculative_tau_count{model="llama-q8"} 2.0' in metrics, metrics
+    finally:
+        job.stop(signal.SIGINT)
+        try:
+            job.proc.wait(60)
+        finally:
+            job.stop()

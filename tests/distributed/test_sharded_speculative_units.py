@@ -6,14 +6,15 @@ cuts at EOS, a stop and max_tokens, a sampled run to max_tokens; the SPEC_REQUES
 import queue
 
 import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from cli.distributed import check_spec
 from gguf_factory import Q, tiny_gguf
 from mlx_infer.distributed import commands, init_group, load_sharded, lockstep_tokens
 from mlx_infer.distributed.front import LeadEngine
-from mlx_infer.errors import DistributedError, MlxInferError, RequestError
-from mlx_infer.distributed.speculative import (SpecLockstepStats, _pack, _unpack, message_width,
+from mlx_infer.distributed.speculative import (SpecLockstepStats, _pack, _unpack, check_rollback, message_width,
                                                spec_lockstep_tokens)
+from mlx_infer.errors import DistributedError, MlxInferError, RequestError
 from mlx_infer.generation.sampling import SamplingParams
 from mlx_infer.speculative.drafters.base import Draft, Drafter
 
@@ -173,3 +174,10 @@ def test_lead_engine_lookup_equals_plain(tmp_path):
     finally:
         spec.runner.close()
         lead.join()
+
+
+def test_a_cache_that_cannot_roll_back_is_refused():
+    check_rollback([KVCache(), KVCache()])
+    for cache in ([KVCache(), RotatingKVCache(max_size=16)], [ArraysCache(2)]):
+        with pytest.raises(MlxInferError, match="needs a KV cache that can roll back .* use --spec off"):
+            check_rollback(cache)
