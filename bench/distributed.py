@@ -20,7 +20,9 @@ bandwidth and latency (docs/distributed.md states its inputs).
 (generate.lockstep_tokens) against speculative decoding with prompt lookup (speculative.spec_lockstep_tokens)
 on SPEC_PROMPTS (chat template applied, greedy, ending at EOS or --tokens), alternating the two --spec-repeats
 times after a warm-up of each in the same ranks: decode tokens/s (rank 0, first token to last, median), tau
-(committed tokens per decode forward), draft tokens verified and kept, and whether the tokens are the same.
+(committed tokens per decode forward), draft tokens verified and kept, rank 0's drafting time per round, the
+round's broadcast per forward (plain / lookup: one int32 all_sum each, including the wait for the other ranks),
+and whether the tokens are the same.
 """
 
 import argparse
@@ -75,10 +77,13 @@ def spec_worker(args, group, shard) -> dict:
                     runs[mode].append((tokens, (len(tokens) - 1) / (times[-1] - times[0]), stats))
         plain_tps = statistics.median(r[1] for r in runs["plain"])
         spec_tps = statistics.median(r[1] for r in runs["lookup"])
-        spec = runs["lookup"][-1][2]
+        spec, plain = runs["lookup"][-1][2], runs["plain"][-1][2]
         out[name] = {"tokens": len(runs["plain"][0][0]), "plain_tps": plain_tps, "lookup_tps": spec_tps,
                      "ratio": spec_tps / plain_tps, "tau": spec.tau, "rounds": spec.rounds, "drafted": spec.drafted,
                      "accepted": spec.accepted, "acceptance": spec.acceptance,
+                     "draft_us_per_round": 1e6 * spec.draft_s / max(spec.rounds, 1),
+                     "lookup_broadcast_ms_per_forward": 1e3 * spec.broadcast_s / max(spec.rounds + 1, 1),
+                     "plain_broadcast_ms_per_forward": 1e3 * plain.broadcast_s / max(len(plain.step_s) + 1, 1),
                      "plain_tps_runs": [r[1] for r in runs["plain"]], "lookup_tps_runs": [r[1] for r in runs["lookup"]],
                      "same_tokens": all(r[0] == runs["plain"][0][0] for r in runs["plain"] + runs["lookup"])}
     return {"parallel": shard.parallel, "ranks": group.size, "detail": shard.detail, "spec": out}
@@ -325,11 +330,13 @@ def print_spec(rows: dict, args) -> None:
     print(f"--spec {args.spec}, --max-draft {args.max_draft}, {args.spec_repeats} runs of each (median), up to "
           f"{args.tokens} tokens, greedy")
     print(f"{'config':9} {'prompt':6} {'tokens':>6} {'plain tok/s':>11} {'lookup tok/s':>12} {'ratio':>6} "
-          f"{'tau':>5} {'rounds':>6} {'kept/drafted':>12}  same tokens")
+          f"{'tau':>5} {'rounds':>6} {'kept/drafted':>12} {'draft us':>8} {'bcast ms':>11}  same tokens")
     for c, r in rows.items():
         for name, m in r["spec"].items():
             print(f"{c:9} {name:6} {m['tokens']:>6} {m['plain_tps']:>11.2f} {m['lookup_tps']:>12.2f} "
-                  f"{m['ratio']:>6.2f} {m['tau']:>5.2f} {m['rounds']:>6} {m['accepted']:>5}/{m['drafted']:<6}  "
+                  f"{m['ratio']:>6.2f} {m['tau']:>5.2f} {m['rounds']:>6} {m['accepted']:>5}/{m['drafted']:<6} "
+                  f"{m['draft_us_per_round']:>8.0f} {m['plain_broadcast_ms_per_forward']:>5.1f}/"
+                  f"{m['lookup_broadcast_ms_per_forward']:<5.1f}  "
                   f"{'yes' if m['same_tokens'] else 'NO'}  {r['detail']}")
     print(json.dumps(rows))
 
