@@ -213,7 +213,8 @@ def spec_lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], para
     history, eos, draft = list(ids), set(eos_ids), []
     while True:
         t0 = time.perf_counter()
-        message = _lead_round(stats, logits, history, draft, params, processors, eos, stop, drafter, gamma) \
+        left = params.max_tokens - (len(history) - len(ids))  # (history: the prompt and the tokens delivered)
+        message = _lead_round(stats, logits, history, draft, params, processors, eos, stop, drafter, gamma, left) \
             if root else None
         t1 = time.perf_counter()
         end, accepted, deliver, next_draft = _unpack(
@@ -238,18 +239,19 @@ def spec_lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], para
 
 
 def _lead_round(stats: SpecLockstepStats, logits: mx.array, history: List[int], draft: List[int],
-                params: SamplingParams, processors, eos: set, stop, drafter: Drafter, gamma: int) -> List[int]:
+                params: SamplingParams, processors, eos: set, stop, drafter: Drafter, gamma: int,
+                left: int) -> List[int]:
     """Rank 0's part of a round: verify the last forward's logits [len(draft) + 1, V] against `draft`, deliver
-    (extending `history`), draft the next round; the round's message (_pack)."""
+    at most `left` tokens (extending `history`), draft the next round; the round's message (_pack)."""
     t0 = time.perf_counter()
     n, nxt = verify_round(logits, history, draft, params, processors, None)
     mx.eval(n, nxt)
     n, nxt = int(n.item()), int(nxt.item())
-    deliver, end = _cut(draft[:n] + [nxt], eos, stop, params.max_tokens - stats.generated_tokens)
+    deliver, end = _cut(draft[:n] + [nxt], eos, stop, left)
     history.extend(deliver)
     stats.record(len(draft), n)
     t1 = time.perf_counter()
-    room = params.max_tokens - stats.generated_tokens - len(deliver) - 1  # the next round commits one more
+    room = left - len(deliver) - 1  # the next round commits one more
     proposal = [] if end or room <= 0 else drafter.propose(history, min(gamma, room)).tokens[:gamma]
     stats.verify_s += t1 - t0
     stats.draft_s += time.perf_counter() - t1

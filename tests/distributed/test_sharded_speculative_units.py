@@ -181,3 +181,14 @@ def test_a_cache_that_cannot_roll_back_is_refused():
     for cache in ([KVCache(), RotatingKVCache(max_size=16)], [ArraysCache(2)]):
         with pytest.raises(MlxInferError, match="needs a KV cache that can roll back .* use --spec off"):
             check_rollback(cache)
+
+
+def test_stats_object_reused_across_requests(shard, plain):
+    """A caller's stats object carried over requests (its counters add up) does not cut the next request: each
+    request counts its own tokens against max_tokens."""
+    stats = SpecLockstepStats()
+    for _ in range(2):
+        got = list(spec_lockstep_tokens(shard, PROMPT, SamplingParams(max_tokens=24), stats=stats, max_draft=5,
+                                        drafter=Oracle(plain, True)))
+        assert got == plain
+    assert stats.generated_tokens == 48
