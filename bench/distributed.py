@@ -3,6 +3,7 @@
     python bench/distributed.py                        # default model: one process, tensor and pipeline at 2 ranks
     python bench/distributed.py --model m.gguf --layers mlx --tokens 32
     python bench/distributed.py --model-only           # the Mac scaling model alone (no runs)
+    python bench/distributed.py --spec lookup          # speculative (prompt lookup) against plain lockstep, 2 ranks
 
 Each configuration runs `mlx.launch -n 2 --backend ring` on 127.0.0.1 (one process: the same worker without
 a launcher) and greedy-decodes the same prompt. The worker measures, on rank 0:
@@ -14,6 +15,14 @@ a launcher) and greedy-decodes the same prompt. The worker measures, on rank 0:
 On this machine both ranks share its 2 cores, so no speedup is expected: what transfers to Macs is the
 bytes and the count of collectives per token, which the scaling model (`scaling`) combines with each link's
 bandwidth and latency (docs/distributed.md states its inputs).
+
+`--spec lookup` measures instead, in each configuration (default tensor and pipeline), plain lockstep decoding
+(generate.lockstep_tokens) against speculative decoding with prompt lookup (speculative.spec_lockstep_tokens)
+on SPEC_PROMPTS (chat template applied, greedy, ending at EOS or --tokens), alternating the two --spec-repeats
+times after a warm-up of each in the same ranks: decode tokens/s (rank 0, first token to last, median), tau
+(committed tokens per decode forward), draft tokens verified and kept, rank 0's drafting time per round, the
+round's broadcast per forward (plain / lookup: one int32 all_sum each, including the wait for the other ranks),
+and whether the tokens are the same.
 """
 
 import argparse
@@ -28,6 +37,58 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
+#: --spec's prompts: one whose answer copies the prompt (prompt lookup's case), one that does not.
+SPEC_PROMPTS = {
+    "copy": "Repeat the following paragraph word for word: The lighthouse stood at the end of the rocky point, "
+            "its white tower striped with red. Every night the keeper climbed the one hundred and twelve steps, "
+            "lit the lamp, and wrote the weather in a small blue notebook.",
+    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def spec_worker(args, group, shard) -> dict:
+    """--spec lookup on every rank: for each of SPEC_PROMPTS, plain lockstep and speculative decoding alternated
+    (a warm-up of each, then --spec-repeats of each); rank 0's measurements."""
+    import statistics
+
+    from mlx_infer.distributed import LockstepStats, lockstep_tokens
+    from mlx_infer.distributed.speculative import SpecLockstepStats, spec_lockstep_tokens
+    from mlx_infer.generation.prompt import PromptCodec
+    from mlx_infer.generation.sampling import SamplingParams
+    from mlx_infer.speculative.target import output_vocab
+
+    params = SamplingParams(max_tokens=args.tokens)
+    eos = shard.tokenizer.eos_token_ids
+    out = {}
+    for name, text in SPEC_PROMPTS.items():
+        ids = PromptCodec(shard.tokenizer, output_vocab(shard.model)).encode(text, None, True) if group.is_root \
+            else None
+        runs = {"plain": [], "lookup": []}
+        for rep in range(args.spec_repeats + 1):
+            for mode in runs:
+                stats = SpecLockstepStats() if mode == "lookup" else LockstepStats()
+                gen = (spec_lockstep_tokens(shard, ids, params, eos, stats, max_draft=args.max_draft) if mode == "lookup"
+                       else lockstep_tokens(shard, ids, params, eos, stats))
+                tokens, times = [], []
+                for token in gen:
+                    tokens.append(token)
+                    times.append(time.perf_counter())
+                if rep:
+                    runs[mode].append((tokens, (len(tokens) - 1) / (times[-1] - times[0]), stats))
+        plain_tps = statistics.median(r[1] for r in runs["plain"])
+        spec_tps = statistics.median(r[1] for r in runs["lookup"])
+        spec, plain = runs["lookup"][-1][2], runs["plain"][-1][2]
+        out[name] = {"tokens": len(runs["plain"][0][0]), "plain_tps": plain_tps, "lookup_tps": spec_tps,
+                     "ratio": spec_tps / plain_tps, "tau": spec.tau, "rounds": spec.rounds, "drafted": spec.drafted,
+                     "accepted": spec.accepted, "acceptance": spec.acceptance,
+                     "draft_us_per_round": 1e6 * spec.draft_s / max(spec.rounds, 1),
+                     "lookup_broadcast_ms_per_forward": 1e3 * spec.broadcast_s / max(spec.rounds + 1, 1),
+                     "plain_broadcast_ms_per_forward": 1e3 * plain.broadcast_s / max(len(plain.step_s) + 1, 1),
+                     "plain_tps_runs": [r[1] for r in runs["plain"]], "lookup_tps_runs": [r[1] for r in runs["lookup"]],
+                     "same_tokens": all(r[0] == runs["plain"][0][0] for r in runs["plain"] + runs["lookup"])}
+    return {"parallel": shard.parallel, "ranks": group.size, "detail": shard.detail, "spec": out}
+
+
 def worker(args) -> None:
     """Runs on every rank (or alone): writes rank 0's measurements to args.worker (JSON)."""
     import mlx_infer  # noqa: F401  (first: the optimized BLAS)
@@ -40,6 +101,11 @@ def worker(args) -> None:
     group = init_group("any")
     on_terminate(group.rank)
     shard = load_sharded(None if args.model == "default" else args.model, group, args.parallel, layers=args.layers)
+    if args.spec != "off":
+        result = spec_worker(args, group, shard)
+        if group.is_root:
+            Path(args.worker).write_text(json.dumps(result))
+        return
     ids = shard.tokenizer.encode(args.prompt)
     calls = []
     real = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather", "send", "recv_like")}
@@ -151,7 +217,8 @@ def run(config: str, args) -> dict:
     out = Path(tempfile.mkdtemp(prefix="mlxi-dist-")) / "result.json"
     worker_args = [str(HERE), "--worker", str(out), "--model", args.model, "--tokens", str(args.tokens),
                    "--prompt", args.prompt, "--chunk", str(args.chunk), "--repeats", str(args.repeats),
-                   "--layers", args.layers, "--parallel", "auto" if config == "one" else config]
+                   "--layers", args.layers, "--parallel", "auto" if config == "one" else config,
+                   "--spec", args.spec, "--max-draft", str(args.max_draft), "--spec-repeats", str(args.spec_repeats)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if config == "one":
         cmd = [sys.executable, *worker_args]
@@ -226,13 +293,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50, help="evaluations of each collective timed alone")
     p.add_argument("--layers", default="kernels", choices=("kernels", "mlx"), help="tensor parallel's layers")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--configs", default="one,tensor,pipeline")
+    p.add_argument("--configs", default=None, help="default: one,tensor,pipeline (--spec lookup: tensor,pipeline)")
     p.add_argument("--model-only", action="store_true")
+    p.add_argument("--spec", default="off", choices=("off", "lookup"),
+                   help="lookup: speculative decoding with prompt lookup against plain lockstep decoding")
+    p.add_argument("--max-draft", type=int, default=8, help="--spec lookup's draft tokens per round")
+    p.add_argument("--spec-repeats", type=int, default=3, help="--spec: measured runs of each mode")
     p.add_argument("--parallel", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.configs is None:
+        args.configs = "tensor,pipeline" if args.spec != "off" else "one,tensor,pipeline"
+    if args.spec != "off":
+        return print_spec({c: run(c, args) for c in args.configs.split(",")}, args)
     if not args.model_only:
         rows = {c: run(c, args) for c in args.configs.split(",")}
         base = rows.get("one")
@@ -248,6 +323,22 @@ def main() -> None:
             if r["op_latency_us"]:
                 print(f"{c}: " + ", ".join(f"{k}: {v:.0f} us" for k, v in r["op_latency_us"].items()))
     print_model()
+
+
+def print_spec(rows: dict, args) -> None:
+    """--spec's table: per configuration and prompt, decode tokens/s plain and lookup, their ratio, tau."""
+    print(f"--spec {args.spec}, --max-draft {args.max_draft}, {args.spec_repeats} runs of each (median), up to "
+          f"{args.tokens} tokens, greedy")
+    print(f"{'config':9} {'prompt':6} {'tokens':>6} {'plain tok/s':>11} {'lookup tok/s':>12} {'ratio':>6} "
+          f"{'tau':>5} {'rounds':>6} {'kept/drafted':>12} {'draft us':>8} {'bcast ms':>11}  same tokens")
+    for c, r in rows.items():
+        for name, m in r["spec"].items():
+            print(f"{c:9} {name:6} {m['tokens']:>6} {m['plain_tps']:>11.2f} {m['lookup_tps']:>12.2f} "
+                  f"{m['ratio']:>6.2f} {m['tau']:>5.2f} {m['rounds']:>6} {m['accepted']:>5}/{m['drafted']:<6} "
+                  f"{m['draft_us_per_round']:>8.0f} {m['plain_broadcast_ms_per_forward']:>5.1f}/"
+                  f"{m['lookup_broadcast_ms_per_forward']:<5.1f}  "
+                  f"{'yes' if m['same_tokens'] else 'NO'}  {r['detail']}")
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":

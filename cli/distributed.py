@@ -7,8 +7,9 @@ app.py registers this command as `generate` when the process was started by a la
 single-process one otherwise. Rank 0 reads the prompt and writes the answer (stdout) and every message
 (stderr); the other ranks print nothing but their own failures. It takes the sampling flags of `generate` and
 its structured-output flags (--json-schema, --regex, --grammar, --format, --no-forced-spans: the grammar runs on
-rank 0, which picks every token); speculative decoding, the paged / quantized KV cache and eviction do not run
-sharded yet.
+rank 0, which picks every token) and `--spec off|lookup` (prompt lookup drafted on rank 0, verified in lockstep:
+mlx_infer/distributed/speculative.py; with a structured-output flag it decodes plainly); the other drafters, the
+paged / quantized KV cache and eviction do not run sharded yet.
 """
 
 import json
@@ -17,6 +18,8 @@ import sys
 from typing import Annotated, List
 
 import typer
+
+from mlx_infer.defaults import DEFAULT_MAX_DRAFT, MAX_VERIFY_WIDTH
 
 from .errors import fail, user_errors
 from .options import (FormatOpt, GrammarOpt, JsonSchemaOpt, MaxTokensOpt, MinPOpt, ModelOpt, NoForcedSpansOpt,
@@ -28,6 +31,14 @@ ParallelOpt = Annotated[str, typer.Option(
     "--parallel", help="How the model splits over the ranks: tensor (each rank a slice of every layer's heads "
     "and MLP rows, two all-reduces per layer), pipeline (each rank a range of layers) or auto (tensor when "
     "the heads divide evenly by the group size, else pipeline).", rich_help_panel=PARALLEL)]
+ShardSpecOpt = Annotated[str, typer.Option(
+    "--spec", "--speculative", metavar="off|lookup", rich_help_panel=PARALLEL,
+    help="Speculative decoding over the ranks: lookup (prompt lookup drafted on rank 0, each draft verified by "
+    "one forward on every rank; greedy: the same output as off) or off (plain lockstep decoding).")]
+ShardMaxDraftOpt = Annotated[int, typer.Option(
+    "--max-draft", metavar="N", rich_help_panel=PARALLEL,
+    help=f"With --spec lookup: draft tokens per round (a fixed N; at most {MAX_VERIFY_WIDTH - 1} are verified per "
+    "round).")]
 BackendOpt = Annotated[str, typer.Option(
     "--backend", help="mx.distributed's backend: any, ring, jaccl, mpi or nccl (the one mlx.launch started).",
     rich_help_panel=PARALLEL)]
@@ -61,6 +72,8 @@ def generate(
     grammar: GrammarOpt = None,
     fmt: FormatOpt = None,
     no_forced_spans: NoForcedSpansOpt = False,
+    spec: ShardSpecOpt = "off",
+    max_draft: ShardMaxDraftOpt = DEFAULT_MAX_DRAFT,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token_ids, finish_reason, stats) instead of streaming.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print timing stats to stderr (rank 0).")] = False,
@@ -83,16 +96,32 @@ def generate(
             structured = constraint_kwargs(json_schema, regex, grammar, fmt, no_forced_spans)
             _generate(group, prompt, model, sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed,
                                                             repetition_penalty, stop),
-                      system, no_chat_template, weights.value, parallel, as_json, stats or verbose, structured)
+                      system, no_chat_template, weights.value, parallel, as_json, stats or verbose, structured,
+                      check_spec(spec, max_draft), max_draft)
         except BaseException:
             if rank != 0:  # rank 0 says what went wrong; the others leave quietly with the same status
                 sys.stderr = open(os.devnull, "w")
             raise
 
 
+def check_spec(spec: str, max_draft: int) -> str:
+    """The sharded --spec mode (off or lookup), lower-cased; raises the one-line error for another mode or a
+    negative --max-draft (every rank decides the same from the same flags)."""
+    from mlx_infer.distributed.speculative import SPEC_MODES
+
+    mode = spec.strip().lower()
+    if mode not in SPEC_MODES:
+        raise fail(f"--spec {spec!r} does not run over mlx.launch ranks yet; use one of {', '.join(SPEC_MODES)}")
+    if max_draft < 0:
+        raise fail(f"--max-draft must be an integer >= 0, got {max_draft}")
+    return mode
+
+
 def _generate(group, prompt: str, model, params, system, no_chat_template: bool, weights: str, parallel: str,
-              as_json: bool, show_stats: bool, structured: dict) -> None:
+              as_json: bool, show_stats: bool, structured: dict, spec: str = "off",
+              max_draft: int = DEFAULT_MAX_DRAFT) -> None:
     from mlx_infer.distributed import LockstepStats, broadcast_ints, load_sharded, lockstep_tokens
+    from mlx_infer.distributed.speculative import SpecLockstepStats, spec_lockstep_tokens
     from mlx_infer.distributed.structured import LeadPick
     from mlx_infer.errors import MlxInferError
     from mlx_infer.generation.prompt import PromptCodec
@@ -102,6 +131,10 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
 
     from .generate import read_prompt
 
+    if structured and spec != "off":  # the sharded verify takes no grammar yet: every rank decodes plainly
+        if group.is_root:
+            sys.stderr.write(f"note: --spec {spec} decodes plainly with a structured-output flag under mlx.launch\n")
+        spec = "off"
     shard = load_sharded(model, group, parallel, weights)
     tokenizer = shard.tokenizer
     ids, error, picker = None, None, None
@@ -141,10 +174,13 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
             sys.stdout.flush()
         return bool(stops) and any(s in "".join(text) for s in stops)
 
-    run = LockstepStats()
+    run = SpecLockstepStats() if spec == "lookup" else LockstepStats()
     finish = "length"
-    for token in lockstep_tokens(shard, ids, params, tokenizer.eos_token_ids, run,
-                                 stop=found_stop if group.is_root else None, picker=picker):
+    stop = found_stop if group.is_root else None
+    steps = (spec_lockstep_tokens(shard, ids, params, tokenizer.eos_token_ids, run, stop, max_draft)
+             if spec == "lookup" else
+             lockstep_tokens(shard, ids, params, tokenizer.eos_token_ids, run, stop=stop, picker=picker))
+    for token in steps:
         tokens.append(token)
     if picker is not None:
         picker.close()
@@ -162,7 +198,8 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
         out = {"model": shard.source.name, "text": answer, "token_ids": tokens, "finish_reason": finish,
                "parallel": shard.parallel, "ranks": group.size, "backend": group.backend,
                "stats": {"prompt_tokens": run.prompt_tokens, "generated_tokens": run.generated_tokens,
-                         "prefill_s": run.prefill_s, "decode_s": run.decode_s, "broadcast_s": run.broadcast_s}}
+                         "prefill_s": run.prefill_s, "decode_s": run.decode_s, "broadcast_s": run.broadcast_s,
+                         **_spec_stats(run)}}
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
     elif stream:
         sys.stdout.write(text[-1] + "\n")
@@ -172,5 +209,18 @@ def _generate(group, prompt: str, model, params, system, no_chat_template: bool,
     if show_stats and run.step_s:
         per = sum(run.step_s) / len(run.step_s)
         sys.stderr.write(f"prompt {run.prompt_tokens} tokens in {run.prefill_s:.2f} s; {run.generated_tokens} "
-                         f"tokens at {1 / per:.1f} tokens/s; token broadcast {1e3 * run.broadcast_s / len(run.step_s):.2f}"
-                         " ms per step\n")
+                         f"tokens at {(run.generated_tokens - 1) / sum(run.step_s):.1f} tokens/s; broadcast "
+                         f"{1e3 * run.broadcast_s / len(run.step_s):.2f} ms per forward\n")
+        spec_stats = _spec_stats(run)
+        if spec_stats:
+            sys.stderr.write(f"spec lookup: tau {spec_stats['tau']:.2f} tokens per forward, {run.rounds} rounds, "
+                             f"{run.accepted} of {run.drafted} draft tokens accepted\n")
+
+
+def _spec_stats(run) -> dict:
+    """The speculative counters of a SpecLockstepStats for --json / --stats ({} for plain lockstep)."""
+    if not hasattr(run, "tau"):
+        return {}
+    return {"spec_mode": "lookup", "tau": run.tau, "rounds": run.rounds, "drafted": run.drafted,
+            "accepted": run.accepted, "committed": run.committed, "draft_s": run.draft_s, "verify_s": run.verify_s,
+            "acceptance": run.acceptance}

@@ -19,9 +19,9 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from mlx_infer.defaults import SERVE_HOST, SERVE_MAX_QUEUE, SERVE_MAX_TOKENS_LIMIT, SERVE_PORT
+from mlx_infer.defaults import DEFAULT_MAX_DRAFT, SERVE_HOST, SERVE_MAX_QUEUE, SERVE_MAX_TOKENS_LIMIT, SERVE_PORT
 
-from .distributed import BackendOpt, ParallelOpt
+from .distributed import BackendOpt, ParallelOpt, ShardMaxDraftOpt, ShardSpecOpt, check_spec
 from .errors import fail, user_errors
 from .options import (MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, SystemOpt,
                       TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
@@ -30,16 +30,20 @@ from .serve import AccessLogOpt, ApiKeyOpt, HostOpt, MaxTokensLimitOpt, PortOpt
 
 
 def run_sharded(model: Optional[str], weights: str, parallel: str, backend: str, verbose: bool,
-                front: Callable, keep_cache: bool = False) -> None:
-    """Load this rank's shard; rank 0 runs front(engine) (a LeadEngine, its lead thread started) and then shuts
-    the other ranks down, which follow its commands meanwhile. keep_cache: every rank keeps its KV cache from
-    one request to the next (a chat's turns; distributed/kept.py). A failure is one line on rank 0; the other
-    ranks leave quietly with the same status."""
+                front: Callable, keep_cache: bool = False, spec: str = "off",
+                max_draft: int = DEFAULT_MAX_DRAFT) -> None:
+    """Load this rank's shard; rank 0 runs front(engine) (a LeadEngine, its lead thread started; spec: the mode
+    of its chat's requests, checked) and then shuts the other ranks down, which follow its commands meanwhile
+    (plain and speculative requests alike). keep_cache: every rank keeps its KV cache from one plain request to
+    the next (a chat's turns; distributed/kept.py). A failure is one line on rank 0; the other ranks leave
+    quietly with the same status."""
     from mlx_infer.distributed import init_group, load_sharded, watchdog
     from mlx_infer.distributed.commands import follow, lead_in_thread
     from mlx_infer.distributed.front import LeadEngine
     from mlx_infer.distributed.generate import follow_request
     from mlx_infer.distributed.kept import KeptCache
+    from mlx_infer.distributed.speculative import check_rollback, follow_spec_request
+    from mlx_lm.models.cache import make_prompt_cache
 
     group = init_group(backend) if backend in ("any", "ring", "jaccl", "mpi", "nccl") else None
     rank = group.rank if group is not None else 0
@@ -48,15 +52,19 @@ def run_sharded(model: Optional[str], weights: str, parallel: str, backend: str,
         if group is None:
             raise fail(f"unknown --backend {backend!r}; use one of any, ring, jaccl, mpi, nccl")
         try:
+            spec = check_spec(spec, max_draft)
             shard = load_sharded(model, group, parallel, weights)
+            if spec != "off":
+                check_rollback(make_prompt_cache(shard.model))  # every rank fails alike, before any request
             if not group.is_root:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every rank: rank 0's
                 kept = KeptCache() if keep_cache else None
-                follow(group, lambda max_tokens: follow_request(shard, max_tokens, kept))
+                follow(group, lambda max_tokens: follow_request(shard, max_tokens, kept),
+                       lambda draft: follow_spec_request(shard, draft))
                 return
             inbox: "queue.Queue" = queue.Queue()
             lead = lead_in_thread(group, inbox)
-            engine = LeadEngine(shard, inbox, keep_cache)
+            engine = LeadEngine(shard, inbox, keep_cache=keep_cache, speculative=spec, max_draft=max_draft)
             try:
                 front(engine)
             finally:
@@ -82,6 +90,8 @@ def chat(
     weights: WeightsOpt = Weights.auto,
     parallel: ParallelOpt = "auto",
     backend: BackendOpt = "any",
+    spec: ShardSpecOpt = "off",
+    max_draft: ShardMaxDraftOpt = DEFAULT_MAX_DRAFT,
     stats: Annotated[bool, typer.Option("--stats", help="Print stats of each answer to stderr.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -101,7 +111,8 @@ def chat(
         require_chat_template(engine)
         ChatSession(engine, fit_to_model(params, engine), system, stats, verbose, interactive=isatty()).run()
 
-    run_sharded(model, weights.value, parallel, backend, verbose, front, keep_cache=True)
+    run_sharded(model, weights.value, parallel, backend, verbose, front, keep_cache=True, spec=spec,
+                max_draft=max_draft)
 
 
 def serve(
@@ -116,6 +127,8 @@ def serve(
     weights: WeightsOpt = Weights.auto,
     parallel: ParallelOpt = "auto",
     backend: BackendOpt = "any",
+    spec: ShardSpecOpt = "off",
+    max_draft: ShardMaxDraftOpt = DEFAULT_MAX_DRAFT,
     access_log: AccessLogOpt = True,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -141,7 +154,8 @@ def serve(
 
     def front(engine) -> None:
         name = describe(model).name
-        config = ServerConfig(model_id=name, api_key=api_key, max_tokens_limit=max_tokens_limit, max_queue=max_queue)
+        config = ServerConfig(model_id=name, api_key=api_key, max_tokens_limit=max_tokens_limit, max_queue=max_queue,
+                              speculative=engine.speculative)
         app = build_pool_app(OneModel(Served(name, engine, engine.runner)), config, 1 + max_queue)
         shown = f"[{host}]" if ":" in host else host
         stderr.print(f"serving {name} over {engine.shard.group.size} ranks ({engine.shard.parallel} parallel) on "
@@ -149,4 +163,4 @@ def serve(
                      markup=False)
         run_http(app, host, port, verbose, access_log)
 
-    run_sharded(model, weights.value, parallel, backend, verbose, front)
+    run_sharded(model, weights.value, parallel, backend, verbose, front, spec=spec, max_draft=max_draft)

@@ -10,10 +10,12 @@
 
 A command is one broadcast of [kind, argument] (two int32, group.broadcast_ints): REQUEST (argument: the
 request's max_tokens; its own broadcasts, the prompt's ids and each token, follow in generate.lockstep_tokens),
-IDLE (a heartbeat) or SHUTDOWN. Every broadcast is `guarded` (watchdog.py), so a rank waiting for the next
-command waits at most one step timeout: while rank 0 waits for a human or a client, it sends IDLE every
-heartbeat_interval() seconds, so that an idle job lives as long as it likes, while a rank that died or hangs is
-still found within a heartbeat plus a step timeout (a heartbeat is a collective every rank must answer).
+SPEC_REQUEST (a speculative request, speculative.spec_lockstep_tokens; argument: its max_draft, which sizes
+each round's broadcast), IDLE (a heartbeat) or SHUTDOWN. Every broadcast is `guarded` (watchdog.py), so a rank
+waiting for the next command waits at most one step timeout: while rank 0 waits for a human or a client, it
+sends IDLE every heartbeat_interval() seconds, so that an idle job lives as long as it likes, while a rank that
+died or hangs is still found within a heartbeat plus a step timeout (a heartbeat is a collective every rank must
+answer).
 
 All of rank 0's MLX work after loading runs on the lead thread, one request at a time in the order submitted
 (FIFO: no batching across requests when the model is sharded).
@@ -32,22 +34,24 @@ from .defaults import HEARTBEAT_S
 from .group import Group, broadcast_ints
 from .watchdog import EXIT_CODE, step_timeout
 
-__all__ = ["IDLE", "REQUEST", "SHUTDOWN", "Job", "finish", "follow", "heartbeat_interval", "lead", "lead_in_thread",
-           "receive", "send", "submit"]
+__all__ = ["IDLE", "REQUEST", "SHUTDOWN", "SPEC_REQUEST", "Job", "finish", "follow", "heartbeat_interval", "lead",
+           "lead_in_thread", "receive", "send", "submit"]
 
 #: The command kinds (the first int of a command's broadcast; 0 is what the other ranks contribute).
-REQUEST, IDLE, SHUTDOWN = 1, 2, 3
-_NAMES = {REQUEST: "REQUEST", IDLE: "IDLE", SHUTDOWN: "SHUTDOWN"}
+REQUEST, IDLE, SHUTDOWN, SPEC_REQUEST = 1, 2, 3, 4
+_NAMES = {REQUEST: "REQUEST", IDLE: "IDLE", SHUTDOWN: "SHUTDOWN", SPEC_REQUEST: "SPEC_REQUEST"}
 
 
 @dataclass
 class Job:
     """A request for the lead thread: `work()` runs there after REQUEST with `max_tokens` was broadcast (it must
-    run the request's lockstep part to its end: generate.lockstep_steps); its value or error goes to `future`."""
+    run the request's lockstep part to its end: generate.lockstep_steps); its value or error goes to `future`.
+    spec_draft: a speculative request's max_draft (SPEC_REQUEST is broadcast instead), None for a plain one."""
 
     max_tokens: int
     work: Callable[[], Any]
     future: Future = field(default_factory=Future)
+    spec_draft: Optional[int] = None
 
 
 def heartbeat_interval() -> float:
@@ -61,8 +65,8 @@ def heartbeat_interval() -> float:
 
 
 def send(group: Group, kind: int, argument: int = 0) -> None:
-    """Rank 0: broadcast one command (REQUEST with max_tokens, IDLE, SHUTDOWN). Raises DistributedError (a peer
-    lost; a silent one ends the process after the step timeout)."""
+    """Rank 0: broadcast one command (REQUEST with max_tokens, SPEC_REQUEST with max_draft, IDLE, SHUTDOWN).
+    Raises DistributedError (a peer lost; a silent one ends the process after the step timeout)."""
     broadcast_ints(group, [kind, argument], 2, f"the command {_NAMES[kind]}")
 
 
@@ -80,10 +84,10 @@ def receive(group: Group) -> Tuple[int, int]:
     return kind, argument
 
 
-def submit(inbox: "queue.Queue", max_tokens: int, work: Callable[[], Any]) -> Future:
+def submit(inbox: "queue.Queue", max_tokens: int, work: Callable[[], Any], spec_draft: Optional[int] = None) -> Future:
     """Queue a request for the lead thread (any thread); its Future has work()'s value. A Future cancelled
-    before the lead thread takes it is skipped (no broadcast)."""
-    job = Job(max_tokens, work)
+    before the lead thread takes it is skipped (no broadcast). spec_draft: a speculative request's max_draft."""
+    job = Job(max_tokens, work, spec_draft=spec_draft)
     inbox.put(job)
     return job.future
 
@@ -113,7 +117,10 @@ def lead(group: Group, inbox: "queue.Queue", interval: Optional[float] = None) -
             return
         if not job.future.set_running_or_notify_cancel():
             continue
-        send(group, REQUEST, job.max_tokens)
+        if job.spec_draft is None:
+            send(group, REQUEST, job.max_tokens)
+        else:
+            send(group, SPEC_REQUEST, job.spec_draft)
         try:
             value = job.work()
         except BaseException as e:
@@ -140,12 +147,15 @@ def lead_in_thread(group: Group, inbox: "queue.Queue", interval: Optional[float]
     return thread
 
 
-def follow(group: Group, on_request: Callable[[int], None]) -> int:
+def follow(group: Group, on_request: Callable[[int], None],
+           on_spec_request: Optional[Callable[[int], None]] = None) -> int:
     """The other ranks' loop: wait for each command; REQUEST: on_request(max_tokens) (the request's lockstep
-    part: generate.follow_request); IDLE: wait again; SHUTDOWN: return the number of requests run.
+    part: generate.follow_request); SPEC_REQUEST: on_spec_request(max_draft) (speculative.follow_spec_request);
+    IDLE: wait again; SHUTDOWN: return the number of requests run.
 
     Raises:
-        DistributedError: as `receive`, or from on_request.
+        DistributedError: as `receive`, from on_request / on_spec_request, or a SPEC_REQUEST without
+            on_spec_request.
     """
     served = 0
     while True:
@@ -154,4 +164,10 @@ def follow(group: Group, on_request: Callable[[int], None]) -> int:
             return served
         if kind == REQUEST:
             on_request(argument)
+            served += 1
+        elif kind == SPEC_REQUEST:
+            if on_spec_request is None:
+                raise DistributedError(f"rank {group.rank}: rank 0 sent a speculative request this rank cannot "
+                                       "follow; the job ends")
+            on_spec_request(argument)
             served += 1

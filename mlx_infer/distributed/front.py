@@ -9,9 +9,13 @@ request run in lockstep on the lead thread (commands.py), one at a time in the o
 What it takes of Engine: stream_steps (a prompt, SamplingParams, a system prompt), batch_request (a prompt, its
 SamplingParams, chat_template, and response_format, tools, tool_choice, logprobs as one process checks them:
 the grammar and logprobs run on rank 0, distributed/structured.py), encode / decode, reset (forgets the KV
-cache kept between requests with keep_cache, a chat's; else each request prefills its whole prompt), tokenizer, source, vocab_size,
-context_length, grammars. What it refuses, with a RequestError naming the field (the server's 400):
-speculative decoding and eviction, which do not run sharded yet (docs/distributed.md).
+cache kept between requests with keep_cache, a chat's; else each request prefills its whole prompt), tokenizer,
+source, vocab_size, context_length, grammars. Speculative decoding: "lookup" (speculative.py: rank 0 drafts and
+verifies, SPEC_REQUEST to the other ranks) or "off"; a lookup request that asks for response_format, tools or
+logprobs decodes plainly (the sharded verify takes no grammar or logprobs yet; the output is the same), and a
+lookup request neither reads nor changes the kept KV cache. What it refuses, with a RequestError naming the
+field (the server's 400): the other speculative modes and eviction, which do not run sharded yet
+(docs/distributed.md).
 """
 
 import copy
@@ -21,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, List, Optional, Union
 
 from ..batch.run import prompt_request
+from ..defaults import DEFAULT_MAX_DRAFT
 from ..errors import RequestError
 from ..generation.detokenize import make_detokenizer
 from ..generation.prompt import Prompt, PromptCodec
@@ -36,6 +41,7 @@ from .commands import finish, submit
 from .generate import lockstep_steps
 from .kept import KeptCache
 from .load import Shard
+from .speculative import SPEC_MODES, spec_lockstep_steps
 
 __all__ = ["LeadEngine", "LeadHandle", "LeadRequest", "LeadRunner"]
 
@@ -46,14 +52,16 @@ OnStep = Callable[[Union[GenerationStep, BaseException]], None]
 @dataclass
 class LeadRequest:
     """A checked request: its prompt's token ids, its SamplingParams (max_tokens capped by the context window),
-    and its structured options (rank 0's: the grammar's state, the logprobs' queue, the ToolPlan, which the
-    server's Choice reads as `tools`; None where not asked for)."""
+    its structured options (rank 0's: the grammar's state, the logprobs' queue, the ToolPlan, which the
+    server's Choice reads as `tools`; None where not asked for), and max_draft: a speculative (lookup)
+    request's draft tokens per round, None for plain decoding."""
 
     prompt_ids: List[int]
     params: SamplingParams
     tools: Any = None
     grammar: Optional[GrammarState] = None
     logprobs: Optional[LogprobQueue] = None
+    max_draft: Optional[int] = None
 
     @property
     def max_tokens(self) -> int:
@@ -91,7 +99,7 @@ class LeadRunner:
         exception that failed it."""
         handle = LeadHandle()
         handle.future = submit(self.engine.inbox, request.max_tokens,
-                               lambda: self._run(request, on_step, handle.cancelled))
+                               lambda: self._run(request, on_step, handle.cancelled), request.max_draft)
         return handle
 
     def _run(self, request: LeadRequest, on_step: OnStep, cancel: threading.Event) -> None:
@@ -112,10 +120,12 @@ class LeadRunner:
                 cancel.set()
 
         try:
-            for step in lockstep_steps(engine.shard, request.prompt_ids, request.params,
-                                       copy.copy(engine.detokenizer), engine.tokenizer.eos_token_ids, cancel,
-                                       grammar=request.grammar, logprobs=request.logprobs, tools=request.tools,
-                                       kept=engine.kept):
+            args = (engine.shard, request.prompt_ids, request.params, copy.copy(engine.detokenizer),
+                    engine.tokenizer.eos_token_ids, cancel)
+            steps = (lockstep_steps(*args, grammar=request.grammar, logprobs=request.logprobs, tools=request.tools,
+                                    kept=engine.kept) if request.max_draft is None
+                     else spec_lockstep_steps(*args, max_draft=request.max_draft))
+            for step in steps:
                 deliver(step)
         except BaseException as e:
             deliver(e)
@@ -154,11 +164,15 @@ class LeadEngine:
         inbox: the lead thread's queue (commands.lead_in_thread).
         keep_cache: keep the KV cache from one request to the next (a chat: each turn prefills only what
             follows the tokens it holds; kept.py): every rank then follows with a KeptCache of its own.
+        speculative: the mode of stream_steps' requests (a chat's --spec): "off" or "lookup".
+        max_draft: draft tokens per round of a lookup request.
     """
 
-    def __init__(self, shard: Shard, inbox: "queue.Queue", keep_cache: bool = False):
+    def __init__(self, shard: Shard, inbox: "queue.Queue", keep_cache: bool = False, speculative: str = "off",
+                 max_draft: int = DEFAULT_MAX_DRAFT):
         self.shard, self.inbox = shard, inbox
         self.kept: Optional[KeptCache] = KeptCache() if keep_cache else None
+        self.speculative, self.max_draft = speculative, max_draft
         self.tokenizer, self.source, self.config = shard.tokenizer, shard.source, shard.config
         self.vocab_size = output_vocab(shard.model)
         self.codec = PromptCodec(shard.tokenizer, self.vocab_size)
@@ -205,10 +219,10 @@ class LeadEngine:
 
         Raises:
             RequestError: a bad prompt (param "prompt": empty, over the context window, ...), sampling field or
-                structured option (ConstraintError, naming it); a field that does not run sharded
-                (speculative, evict), naming it.
+                structured option (ConstraintError, naming it); a field that does not run sharded (a speculative
+                mode other than off / lookup, evict), naming it.
         """
-        unsupported = {"speculative": None if speculative == "off" else speculative, "evict": evict}
+        unsupported = {"speculative": None if speculative in SPEC_MODES else speculative, "evict": evict}
         for name, value in unsupported.items():
             if value is not None:
                 raise RequestError(f"'{name}' is not supported while the model is split over mlx.launch ranks "
@@ -218,12 +232,16 @@ class LeadEngine:
         structured = structured_options(lambda: self.grammars, response_format, logprobs, forced_spans, plan)
         ids = prompt_request(lambda: self.codec.fitting(prompt, self.context_length, system, chat_template,
                                                         structured.tools))
+        grammar, queue_ = structured.grammar(self.grammars), structured.queue()
+        plain = grammar is not None or queue_ is not None or structured.tools is not None
         return LeadRequest(ids, replace(params, max_tokens=min(params.max_tokens, self.context_length - len(ids))),
-                           structured.tools, structured.grammar(self.grammars), structured.queue())
+                           structured.tools, grammar, queue_,
+                           max_draft=self.max_draft if speculative == "lookup" and not plain else None)
 
     def stream_steps(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, system: Optional[str] = None,
                      progress: Any = None) -> Iterator[GenerationStep]:
         """The steps of one request (as Engine.stream_steps, without its speculative, KV and structured options;
-        `progress` is not called: the prefill runs on the lead thread). Raises RequestError as batch_request,
-        DistributedError while it runs (a generator, as Engine's: the errors come with its first step)."""
-        yield from self.runner.steps(self.batch_request(prompt, params, system=system))
+        `progress` is not called: the prefill runs on the lead thread; speculative: the engine's mode). Raises
+        RequestError as batch_request, DistributedError while it runs (a generator, as Engine's: the errors come
+        with its first step)."""
+        yield from self.runner.steps(self.batch_request(prompt, params, system=system, speculative=self.speculative))

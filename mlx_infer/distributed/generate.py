@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
@@ -181,7 +182,9 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
 def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingParams, detokenizer: StreamingDetokenizer,
                    eos_ids: Sequence[int], cancel: Optional[threading.Event] = None, *,
                    grammar: Optional[GrammarState] = None, logprobs: Optional[LogprobQueue] = None,
-                   tools: Any = None, kept: Optional[KeptCache] = None) -> Iterator[GenerationStep]:
+                   tools: Any = None, kept: Optional[KeptCache] = None,
+                   tokens: Optional[Callable[..., Iterator[int]]] = None,
+                   run: Optional[LockstepStats] = None) -> Iterator[GenerationStep]:
     """Rank 0's side of one request in lockstep, as the engine's steps: text and token per step, the last with
     finish_reason and stats; EOS, stop strings and max_tokens decided by generation.assemble.StepAssembler (as in
     one process, so the text of the same tokens is the same). The other ranks run follow_request(shard,
@@ -198,6 +201,10 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
             one process builds them: generation/structured_request.py); the grammar and logprobs run on rank 0
             (structured.LeadPick), each step carries its token's logprob, the final step the tool calls.
         kept: rank 0's KeptCache (lockstep_tokens; the other ranks pass theirs to follow_request).
+        tokens: the token generator, lockstep_tokens' signature (None: lockstep_tokens; speculative.py's
+            spec_lockstep_tokens decides several tokens a round, `stop` asked for each in order); one of its
+            own takes no grammar, logprobs or kept cache.
+        run: the stats it fills (None: a LockstepStats of its own).
 
     Yields:
         GenerationStep; the last has finish_reason ("stop", "length" or "cancelled") and GenerationStats.
@@ -214,13 +221,16 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
         texts.append(asm.add(token))
         return texts[-1] is None or (cancel is not None and cancel.is_set())
 
-    run = LockstepStats()
+    run = run if run is not None else LockstepStats()
     start, first = time.perf_counter(), None
+    if tokens is None:
+        tokens = partial(lockstep_tokens, picker=picker, kept=kept)
+    elif picker is not None or kept is not None:
+        raise ValueError("a token generator of its own takes no grammar, logprobs or kept KV cache")
     try:
-        for token in lockstep_tokens(shard, prompt_ids, params, (), run, stop=decide, picker=picker,
-                                     kept=kept):
+        for token in tokens(shard, prompt_ids, params, (), run, stop=decide):
             first = first if first is not None else time.perf_counter()
-            text = texts.popleft()
+            text = texts.popleft()  # (decided in order; a speculative round decides several before they are yielded)
             if text is not None:
                 delivered.append(text)
                 yield GenerationStep(text, token, logprob=logprobs.take() if logprobs is not None else None)

@@ -44,7 +44,7 @@ from .drafters.base import Draft, Drafter
 from .feedback import RoundClock, RoundReport, SpecStats, learn
 from .schedule import DraftPolicy, FixedGamma
 from .target import output_vocab
-from .verify import probabilities, process_logits, sample_plain, verify_greedy, verify_sampling
+from .verify import verify_round
 
 
 def check_rollback(cache: Sequence, needed: int) -> None:
@@ -95,23 +95,6 @@ def _fit_vocab(q: mx.array, vocab: int) -> mx.array:
 def _in_vocab(tokens: List[int], vocab: int) -> int:
     """How many leading draft tokens lie inside the target's vocabulary [0, vocab)."""
     return next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), len(tokens))
-
-
-def _verify(logits: mx.array, history, tokens: List[int], params: SamplingParams, processors, q,
-            rejected_q: Optional[mx.array] = None, masks: Optional[list] = None):
-    """Lazy (accepted count, next token) of one round: logits [g+1, V] of [pending] + tokens (g ints),
-    q the draft's [g, V] probabilities or None (deterministic drafter); rejected_q: [V] q row of a next
-    draft token outside the target's vocabulary or refused by the grammar (verify.verify_sampling); masks:
-    the grammar's g+1 bitmasks, one per row (verify.process_logits), None without a grammar. Greedy: the
-    longest prefix equal to the target's argmax; sampling: the accept / residual rule of arXiv 2211.17192 /
-    2302.01318."""
-    processed = process_logits(logits, history, tokens, params, processors, masks=masks)  # [g+1, V]
-    draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
-    if params.greedy:
-        return verify_greedy(draft_arr, processed)
-    if not tokens and rejected_q is None:
-        return sample_plain(processed)
-    return verify_sampling(draft_arr, probabilities(processed), q, rejected_q=rejected_q)
 
 
 @dataclass
@@ -384,7 +367,7 @@ def _draft_constrained(req: _Request, gamma: int) -> _Proposal:
 
 def _verify_round(req: _Request, proposal: _Proposal) -> _Round:
     """Verify (lazily): one target forward over [pending] + the g draft tokens, appending their g+1 tokens to
-    the cache, and the accept / reject of the drafts against its logits (`_verify`)."""
+    the cache, and the accept / reject of the drafts against its logits (verify.verify_round)."""
     tokens = proposal.tokens
     block = mx.array([req.history[-1]] + tokens, dtype=mx.uint32)  # [g+1]
     logits = req.forward(block[None], cache=req.cache)[0].astype(mx.float32)  # [g+1, V]
@@ -397,7 +380,7 @@ def _verify_round(req: _Request, proposal: _Proposal) -> _Round:
         q_all = _fit_vocab(draft.q[: len(tokens) + (proposal.outside > 0)], req.vocab)  # [g (+1), V]
         q = q_all[: len(tokens)]
         rejected_q = q_all[len(tokens)] if proposal.outside else None
-    n, nxt = _verify(logits, req.history, tokens, req.params, req.processors, q, rejected_q)
+    n, nxt = verify_round(logits, req.history, tokens, req.params, req.processors, q, rejected_q)
     return _Round(proposal, n, nxt, rows, logits=logits)
 
 
@@ -409,7 +392,7 @@ def _verify_constrained(req: _Request, proposal: _Proposal, logits: mx.array, ro
     bonus = built.bonus if built.bonus is not None else req.grammar.mask()
     q = built.q if not req.params.greedy else None
     rejected_q = built.refused_q if not req.params.greedy else None
-    n, nxt = _verify(logits, req.history, proposal.tokens, req.params, req.processors, q, rejected_q,
+    n, nxt = verify_round(logits, req.history, proposal.tokens, req.params, req.processors, q, rejected_q,
                      masks=built.masks + [bonus])
     return _Round(proposal, n, nxt, rows, logits=logits)
 
@@ -431,7 +414,7 @@ def _launch_ahead(req: _Request, rnd: _Round) -> _Round:
     logits = req.forward(token, cache=req.cache)[0].astype(mx.float32)  # [1, V]
     rows = req.taps.features() if req.taps is not None else None
     # the verify of an empty draft (no logits processors: they need the history)
-    n, nxt = _verify(logits, (), [], req.params, None, None)
+    n, nxt = verify_round(logits, (), [], req.params, None, None)
     mx.async_eval(n, nxt)
     return _Round(_Proposal(), n, nxt, rows, ahead=True, logits=logits)
 

@@ -199,3 +199,20 @@ def verify_sampling(
     row = rows[n]
     token = mx.random.categorical(mx.log(row), key=k2).astype(mx.int32)
     return n, token
+
+
+def verify_round(logits: mx.array, history, tokens: List[int], params: SamplingParams, processors, q,
+                 rejected_q: Optional[mx.array] = None, masks: Optional[list] = None):
+    """Lazy (accepted count, next token) of one round: logits [g+1, V] of [pending] + tokens (g ints),
+    q the draft's [g, V] probabilities or None (deterministic drafter); rejected_q: [V] q row of a next
+    draft token outside the target's vocabulary or refused by the grammar (verify_sampling); masks:
+    the grammar's g+1 bitmasks, one per row (process_logits), None without a grammar. Greedy: the
+    longest prefix equal to the target's argmax; sampling: the accept / residual rule of arXiv 2211.17192 /
+    2302.01318."""
+    processed = process_logits(logits, history, tokens, params, processors, masks=masks)  # [g+1, V]
+    draft_arr = mx.array(tokens, dtype=mx.int32)  # [g]
+    if params.greedy:
+        return verify_greedy(draft_arr, processed)
+    if not tokens and rejected_q is None:
+        return sample_plain(processed)
+    return verify_sampling(draft_arr, probabilities(processed), q, rejected_q=rejected_q)

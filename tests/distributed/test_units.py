@@ -158,7 +158,7 @@ def test_lead_engine_steps_equal_one_engine(tiny_chat):
         assert handle.future.result() is None and len(got) == 1 and handle.cancelled.is_set()
         assert "".join(s.text for s in front.stream_steps(messages, SamplingParams(max_tokens=12))) == plain.text
         with pytest.raises(RequestError, match="'speculative' is not supported while the model is split") as e:
-            front.batch_request(messages, speculative="lookup")
+            front.batch_request(messages, speculative="dflash")
         assert e.value.param == "speculative"
     finally:
         front.runner.close()
