@@ -30,6 +30,11 @@ def prompt_set(name: str) -> List[str]:
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 
+def load_prompts(name: str, limit: int) -> List[str]:
+    """The first `limit` prompts of set `name` (prompt_set)."""
+    return prompt_set(name)[:limit]
+
+
 def all_prompts() -> List[str]:
     """Every prompt of PROMPT_SETS, set after set."""
     return [p for name in PROMPT_SETS for p in prompt_set(name)]

@@ -21,8 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import machine  # noqa: E402
-from spec import load_prompts  # noqa: E402
+from common import load_prompts, machine  # noqa: E402
 
 from mlx_infer.speculative.drafters.lookup import LookupDrafter  # noqa: E402
 

@@ -28,14 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import machine, write_result  # noqa: E402
-from spec import SETS, load_prompts  # noqa: E402
+from common import PROMPT_SETS, load_prompts, machine, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def prompts(extra: int) -> list:
-    out = [p for s in SETS for p in load_prompts(s, 10)]
+    out = [p for s in PROMPT_SETS for p in load_prompts(s, 10)]
     train = ROOT / "models" / "smollm2-135m-dflash" / "prompts.jsonl"
     if extra and train.is_file():
         out += [json.loads(line)["prompt"] for line in train.read_text().splitlines()[:extra]]

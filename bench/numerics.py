@@ -48,12 +48,11 @@ import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.c
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
-from common import machine, write_result  # noqa: E402
+from common import PROMPT_SETS, load_prompts, machine, write_result  # noqa: E402
 from mlx_infer.defaults import PREFILL_STEP_SIZE  # noqa: E402
 from mlx_infer.generation.sampling import SamplingParams  # noqa: E402
 from mlx_infer.paths import cache_dir  # noqa: E402
 from mlx_infer.speculative import DraftModelDrafter, LookupDrafter, cut_draft_model  # noqa: E402
-from spec import SETS, load_prompts  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 WIDTHS = range(2, 10)
@@ -62,7 +61,7 @@ MARGIN_THRESHOLDS = (1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3)
 
 def round_robin(n: int) -> list:
     """The first n prompts taking one from each set in turn (chat, code, math, copy, chat, ...)."""
-    sets = [load_prompts(s, 10) for s in SETS]
+    sets = [load_prompts(s, 10) for s in PROMPT_SETS]
     return [sets[i % len(sets)][i // len(sets)] for i in range(n)]
 
 

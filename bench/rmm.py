@@ -79,12 +79,11 @@ import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.c
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from common import (bootstrap_ratio, machine, machine_line, positive_ints, pyplot, time_tokens,  # noqa: E402
+from common import (bootstrap_ratio, load_prompts, machine, machine_line, positive_ints, pyplot, time_tokens,  # noqa: E402
                     wikitext_text, write_result)
 from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 from ppl import mean_kl, ppl, wikitext_windows, window_nll  # noqa: E402
-from spec import load_prompts  # noqa: E402
 
 from mlx_infer.kv.store import common_prefix  # noqa: E402
 from mlx_infer.generation.decode import plain_tokens  # noqa: E402

@@ -4,8 +4,9 @@ each, the variants' processes alternated for --pairs rounds. What docs/kernels.m
 come from: the variants' ratios to llama.cpp measured side by side, so that this VM's drift between minutes
 (+-15%) hits both.
 
-Each process: the default model (native weights), bench/decode.py's prompt, --trials interleaved trials of
---max-tokens tokens per runner; medians of decode tok/s and TTFT.
+Each process: the default model (native weights), PROMPT (chat-templated; the prompt of the former
+bench/decode.py), --trials interleaved trials of --max-tokens tokens per runner; medians of decode tok/s and
+TTFT. llama.cpp decodes the very same token ids (mlx_infer.benchmark.peers.llama_cpp_runner).
 
 Usage: python bench/variants.py [--isa avx512,avx512vnni] [--pairs 3] [--trials 5] [--max-tokens 64]
 Prints a row per process and a summary; writes bench/results/variants-*.json. Needs llama-cpp-python.
@@ -21,18 +22,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_infer  # noqa: E402  (first: preloads the optimized BLAS before mlx.core)
-from common import interleaved, machine, machine_line, median, write_result  # noqa: E402
-import decode  # noqa: E402
+from common import interleaved, machine, machine_line, median, time_tokens, write_result  # noqa: E402
 
+from mlx_infer.benchmark.peers import llama_cpp_runner  # noqa: E402
 from mlx_infer.kernels import cpu  # noqa: E402
+
+PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+def mlx_infer_runner(engine, prompt_ids, max_tokens):
+    """A runner of one greedy request from an empty KV cache (a whole prefill every time, as llama.cpp's)."""
+    def run():
+        engine.reset()
+        return time_tokens(s for s in engine.stream_steps(prompt_ids, max_tokens=max_tokens) if s.token is not None)
+
+    return run
 
 
 def measure(trials: int, max_tokens: int) -> dict:
     """This process's variant against llama.cpp: medians of decode tok/s and TTFT s of each."""
     engine = mlx_infer.load(weights="native")
-    ids = engine.encode(decode.PROMPT)
-    runners = {"mlx-infer": decode.mlx_infer_runner(engine, ids, max_tokens),
-               "llama.cpp": decode.llama_cpp_runner(engine.source.path, decode.PROMPT, max_tokens)}
+    ids = engine.encode(PROMPT)
+    llama, note = llama_cpp_runner(engine.source.path, ids, max_tokens)
+    if llama is None:
+        raise SystemExit(f"llama.cpp: {note}")
+    runners = {"mlx-infer": mlx_infer_runner(engine, ids, max_tokens), "llama.cpp": llama}
     for run in runners.values():
         run()  # warm-up
     rows = interleaved(runners, trials)

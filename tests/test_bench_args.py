@@ -11,11 +11,6 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("batch.py", ["--concurrency", "1,0"], "argument --concurrency: 0 is below 1"),
-    ("batch.py", ["--concurrency", "x"], "argument --concurrency: 'x' is not an integer"),
-    ("batch.py", ["--trials", "0"], "argument --trials: 0 is below 1"),
-    ("batch.py", ["--skip", "mlx-infer batched"], "--skip takes 'mlx-lm BatchGenerator'"),
-    ("batch.py", ["--skip", "mlx-lm BatchGenerator,mlx-lm BatchGenerator on the kernels"], "keep one of the BatchGenerator rows"),
     ("throughput.py", ["--prompt-tokens", "-5"], "argument --prompt-tokens: -5 is below 0"),
     ("throughput.py", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
     ("throughput.py", ["--against", "no-such-ref-here", "--rounds", "1"], "not a commit of this repository"),
