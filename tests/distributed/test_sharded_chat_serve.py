@@ -82,6 +82,18 @@ class Launched:
             time.sleep(0.1)
         assert self.out and stderr_holds in self.err, self.err.decode(errors="replace")
 
+    def wait_healthy(self, url: str) -> None:
+        """Until the job's server answers GET url/health with 200 (the limit is only there to fail a hang)."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.err.decode(errors="replace")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+
     def wait(self) -> tuple:
         """(stdout, stderr) as text once the job has ended."""
         try:
@@ -189,15 +201,7 @@ def server(tiny_q8):
     port = _free_port()
     job = Launched(["serve", "--model", tiny_q8, "--port", str(port), "--parallel", "pipeline"])
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        assert job.proc.poll() is None and time.monotonic() < deadline, job.err.decode(errors="replace")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
+    job.wait_healthy(url)
     yield url, job
     job.stop(signal.SIGINT)
     try:

@@ -9,7 +9,6 @@ logits); a tool_choice "required" request returns a call whose arguments parse."
 import json
 import queue
 import signal
-import time
 import urllib.request
 
 import jsonschema
@@ -56,15 +55,7 @@ def server(request, tiny_q8):
     port = _free_port()
     job = Launched(["serve", "--model", tiny_q8, "--port", str(port), "--parallel", request.param])
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        assert job.proc.poll() is None and time.monotonic() < deadline, job.err.decode(errors="replace")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
+    job.wait_healthy(url)
     yield url, job, request.param
     job.stop(signal.SIGINT)
     try:

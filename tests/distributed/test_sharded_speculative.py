@@ -7,7 +7,6 @@ sampled run ends at the requested token count with drafts verified (exact specul
 
 import json
 import signal
-import time
 import urllib.request
 
 import openai
@@ -80,15 +79,7 @@ def test_serve_lookup_equals_one_process(tmp_path):
     job = Launched(["serve", "--model", model, "--port", str(port), "--parallel", "tensor", "--spec", "lookup"])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            assert job.proc.poll() is None and time.monotonic() < deadline, job.err.decode(errors="replace")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        job.wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
         messages = [{"role": "user", "content": "hello there"}]
         got = client.chat.completions.create(model="llama-q8", messages=messages, max_tokens=12, temperature=0)
