@@ -136,8 +136,9 @@ def serve(
     POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models, GET /health.
 
     Requests run one at a time in the order they came (no continuous batching when sharded), each in lockstep
-    over the ranks; response_format, tools and logprobs run as in one process (rank 0 picks each token). Ctrl-C
-    stops it.
+    over the ranks, prefilling only what follows the tokens it shares with the request before it (every rank
+    keeps that request's KV cache: an agent's next turn resends its history); response_format, tools and
+    logprobs run as in one process (rank 0 picks each token). Ctrl-C stops it.
     """
     from mlx_infer.server import ServerConfig
     from mlx_infer.server.app import build_pool_app
@@ -163,4 +164,5 @@ def serve(
                      markup=False)
         run_http(app, host, port, verbose, access_log)
 
-    run_sharded(model, weights.value, parallel, backend, verbose, front, spec=spec, max_draft=max_draft)
+    run_sharded(model, weights.value, parallel, backend, verbose, front, keep_cache=True, spec=spec,
+                max_draft=max_draft)

@@ -169,6 +169,26 @@ def test_disconnected_stream_stops_and_the_next_request_is_served(server):
     assert 6 + 3 <= generated < 6 + 100, generated  # (uncancelled, the tiny model runs on past 480)
 
 
+def test_the_next_request_reuses_the_kv_cache_of_the_one_before(server):
+    """A conversation resent with a turn more prefills only what follows the shared prefix (every rank keeps the
+    KV cache of the request before): at least the first request's prompt comes from the cache; the same request
+    after an unrelated one reuses less and answers the same."""
+    url, job, _ = server
+    c = _client(url)
+    first = c.chat.completions.create(model="llama-q8", messages=MESSAGES, max_tokens=8, temperature=0)
+    turn = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                       {"role": "user", "content": "and then?"}]
+    reused = c.chat.completions.create(model="llama-q8", messages=turn, max_tokens=8, temperature=0)
+    cached = reused.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < reused.usage.prompt_tokens
+    c.chat.completions.create(model="llama-q8", messages=[{"role": "user", "content": "something else"}],
+                              max_tokens=4, temperature=0)
+    again = c.chat.completions.create(model="llama-q8", messages=turn, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens < cached
+    assert again.choices[0].message.content == reused.choices[0].message.content
+    assert not _errors(job.err.decode(errors="replace"))
+
+
 @pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
 def test_cli_generate_json_schema_equals_one_process(tiny_q8, parallel):
     """`mlx-infer generate --json-schema ... --json` under mlx.launch: one answer (rank 0's) that validates, the
