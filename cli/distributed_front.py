@@ -26,7 +26,7 @@ from .errors import fail, user_errors
 from .options import (MaxTokensOpt, MinPOpt, ModelOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, SystemOpt,
                       TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, Weights, WeightsOpt, fit_to_model,
                       sampling_params)
-from .serve import AccessLogOpt, ApiKeyOpt, HostOpt, MaxTokensLimitOpt, PortOpt
+from .serve import AccessLogOpt, ApiKeyOpt, HostOpt, MaxTokensLimitOpt, ModelsOpt, PortOpt
 
 
 def run_sharded(model: Optional[str], weights: str, parallel: str, backend: str, verbose: bool,
@@ -116,7 +116,7 @@ def chat(
 
 
 def serve(
-    model: ModelOpt = None,
+    model: ModelsOpt = None,
     host: HostOpt = SERVE_HOST,
     port: PortOpt = SERVE_PORT,
     api_key: ApiKeyOpt = None,
@@ -149,9 +149,15 @@ def serve(
 
     rank0 = os.environ.get("MLX_RANK", "0") == "0"
     with user_errors(verbose if rank0 else False):
+        if len(model or []) > 1:  # every rank decides alike from the same flags; rank 0 says it
+            if not rank0:
+                sys.stderr = open(os.devnull, "w")
+            raise fail(f"--model is given {len(model)} times: one model is split over mlx.launch ranks; serve "
+                       "several models from one process (docs/distributed.md)")
         if rank0:
             check_host(host, api_key)
             check_port(host, port)  # before loading
+    model = model[0] if model else None
 
     def front(engine) -> None:
         name = describe(model).name

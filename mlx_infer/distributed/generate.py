@@ -222,6 +222,7 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
         return texts[-1] is None or (cancel is not None and cancel.is_set())
 
     run = run if run is not None else LockstepStats()
+    mx.reset_peak_memory()  # (this rank's: rank 0's shard, cache and activations)
     start, first = time.perf_counter(), None
     if tokens is None:
         tokens = partial(lockstep_tokens, picker=picker, kept=kept)
@@ -246,7 +247,8 @@ def lockstep_steps(shard: Shard, prompt_ids: Sequence[int], params: SamplingPara
     stats = GenerationStats(prompt_tokens=run.prompt_tokens, generated_tokens=asm.n, ttft_s=first - start,
                             prefill_tps=prefilled / run.prefill_s if run.prefill_s > 0 else 0.0,
                             decode_tps=(asm.n - 1) / (end - first) if asm.n > 1 and end > first else 0.0,
-                            total_s=end - start, cached_prompt_tokens=run.cached_tokens)
+                            total_s=end - start, cached_prompt_tokens=run.cached_tokens,
+                            peak_memory_bytes=int(mx.get_peak_memory()))
     logprob = logprobs.take() if logprobs is not None and token is not None else None
     final = GenerationStep(text, token, finish, stats, logprob=logprob)
     if tools is not None and finish != "cancelled":

@@ -285,3 +285,13 @@ def test_serve_ctrl_c_shuts_every_rank_down(server):
     err = job.err.decode(errors="replace")
     assert not _errors(err), err
     assert "exited with code" not in err and "was killed" not in err, err  # (mlx.launch's notes on its ranks)
+
+
+def test_serve_of_several_models_is_refused_with_one_line(tiny_q8):
+    """Several --model under mlx.launch (one model is split over the ranks): one error line from rank 0 before
+    anything is loaded, every rank gone (was: the last --model served, the others dropped without a word)."""
+    job = Launched(["serve", "--model", tiny_q8, "--model", tiny_q8, "--port", str(_free_port())])
+    _, err = job.wait()
+    assert _errors(err) == ["error: --model is given 2 times: one model is split over mlx.launch ranks; serve "
+                            "several models from one process (docs/distributed.md)"], err
+    assert "serving" not in err

@@ -144,6 +144,7 @@ def test_lead_engine_steps_equal_one_engine(tiny_chat):
         assert [s.token for s in steps] == plain.token_ids
         assert steps[-1].finish_reason == plain.finish_reason == "length"
         assert steps[-1].stats.generated_tokens == 12 and steps[-1].stats.prompt_tokens == plain.stats.prompt_tokens
+        assert steps[-1].stats.peak_memory_bytes > 0  # this rank's peak (a chat's --stats printed 0.0 MiB)
         stop = plain.text[3:5]
         cut = engine.generate(messages, SamplingParams(max_tokens=12, stop=(stop,)))
         steps = list(front.stream_steps(messages, SamplingParams(max_tokens=12, stop=(stop,))))
