@@ -3,6 +3,7 @@
 import mlx_infer  # noqa: F401  (first: picks the optimized BLAS before mlx.core loads)
 
 import inspect
+import os
 import sys
 from typing import Callable
 
@@ -92,6 +93,11 @@ def main() -> None:
         where = e.ctx.command_path if e.ctx is not None else "mlx-infer"
         # typer converts some values through pydantic, whose messages begin with its error kind
         message = e.format_message().replace(": Value error, ", ": ")
+        if under_launch():  # the sharded commands take fewer flags than their one-process help lists
+            if os.environ.get("MLX_RANK", "0") != "0":
+                sys.exit(e.exit_code)  # rank 0 says it, once
+            print(f"error: {message} under mlx.launch (see: mlx.launch -n 1 -- {where} --help)", file=sys.stderr)
+            sys.exit(e.exit_code)
         print(f"error: {message} (see: {where} --help)", file=sys.stderr)
         sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:

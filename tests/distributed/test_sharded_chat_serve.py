@@ -295,3 +295,12 @@ def test_serve_of_several_models_is_refused_with_one_line(tiny_q8):
     assert _errors(err) == ["error: --model is given 2 times: one model is split over mlx.launch ranks; serve "
                             "several models from one process (docs/distributed.md)"], err
     assert "serving" not in err
+
+
+def test_a_flag_the_sharded_command_lacks_is_one_line_from_rank_0(tiny_q8):
+    """serve's --max-loaded-models (one-process only) under mlx.launch: one error line (rank 0's, not one per
+    rank) that says it is the launcher's command that lacks it and where its own help is."""
+    job = Launched(["serve", "--model", tiny_q8, "--max-loaded-models", "1"])
+    _, err = job.wait()
+    assert _errors(err) == ["error: No such option: --max-loaded-models under mlx.launch (see: mlx.launch -n 1 -- "
+                            "mlx-infer serve --help)"], err
