@@ -2,9 +2,12 @@
 the sharded server does beyond plain text. A disconnected stream stops at once (its request cancelled, the
 next one served); response_format, logprobs and tools run on rank 0 (distributed/structured.py) and answer as
 one process does: a JSON schema's output validates and equals the one-process greedy output; logprobs and
-top_logprobs are bit-identical to one process's lockstep path under pipeline parallel, and within 1e-3 under
-tensor parallel (its all_sums add the slices in another float order: 3e-5 measured on the default model's
-logits); a tool_choice "required" request returns a call whose arguments parse."""
+top_logprobs equal one process's lockstep path within 1e-5 under pipeline parallel (the
+server keeps the KV cache of the request before, so the prompt's shared prefix is not prefilled again: the
+first logits come from a forward over cached keys, another float order than a whole-prompt prefill; bit-identical
+when nothing is reused) and within 1e-3 under tensor parallel (its all_sums add the slices in another float
+order: 3e-5 measured on the default model's logits); a tool_choice "required" request returns a call whose
+arguments parse."""
 
 import json
 import queue
@@ -36,6 +39,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 LOGPROB_TOKENS = 8
 #: Tensor parallel's logprobs against one process's (absolute; see the module docstring).
 TENSOR_TOLERANCE = 1e-3
+#: Pipeline parallel's, when the prompt's prefix came from the kept KV cache (module docstring).
+PIPELINE_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +111,9 @@ def test_response_format_json_schema_validates_and_equals_one_process(server, re
 
 
 def test_logprobs_equal_one_process(server, reference):
-    """Pipeline: every logprob and top_logprob bit-identical to the lockstep path's on one process (and so
-    within 1e-5 of the Engine's compiled step); tensor: within TENSOR_TOLERANCE, the same tokens and top
-    tokens."""
+    """Pipeline: every logprob and top_logprob bit-identical to the lockstep path's on one process when no
+    prefix was reused, within PIPELINE_TOLERANCE when it was (and within 1e-5 of the Engine's compiled step);
+    tensor: within TENSOR_TOLERANCE."""
     url, _, mode = server
     got = _client(url).chat.completions.create(model="llama-q8", messages=MESSAGES, max_tokens=LOGPROB_TOKENS,
                                                temperature=0, logprobs=True, top_logprobs=3)
@@ -120,11 +125,10 @@ def test_logprobs_equal_one_process(server, reference):
         assert [t.logprob for t in g.top_logprobs][0] == g.logprob
         alts = [(a.token, a.logprob) for a in g.top_logprobs]
         assert len(alts) == len(w.top) == 3
-        if mode == "pipeline":
-            assert g.logprob == w.logprob and [lp for _, lp in alts] == [lp for _, lp in w.top]
-        else:
-            assert abs(g.logprob - w.logprob) <= TENSOR_TOLERANCE
-            assert max(abs(a - b) for (_, a), (_, b) in zip(alts, w.top)) <= TENSOR_TOLERANCE
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        tolerance = TENSOR_TOLERANCE if mode == "tensor" else PIPELINE_TOLERANCE if cached else 0.0
+        assert abs(g.logprob - w.logprob) <= tolerance
+        assert max(abs(a - b) for (_, a), (_, b) in zip(alts, w.top)) <= tolerance
         assert abs(w.logprob - e.logprob) < 1e-5
 
 
