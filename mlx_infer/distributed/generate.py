@@ -66,7 +66,7 @@ class LockstepStats:
     step_s: List[float] = field(default_factory=list)
 
 
-def _forward(shard: Shard, ids: Sequence[int], cache, what: str, rows: bool = False) -> mx.array:
+def forward_logits(shard: Shard, ids: Sequence[int], cache, what: str, rows: bool = False) -> mx.array:
     """The model's logits of the last position for `ids` (appended to `cache`): [1, V] float32, evaluated;
     rows: those of every position, [len(ids), V]."""
     out = shard.model(mx.array([list(ids)], dtype=mx.uint32), cache=cache)[0]
@@ -130,7 +130,7 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
     stats.cached_tokens = reuse
     start = time.perf_counter()
     for lo in range(reuse, len(ids), prefill_chunk):
-        logits = _forward(shard, ids[lo:lo + prefill_chunk], cache, f"the prompt's tokens from {lo}")
+        logits = forward_logits(shard, ids[lo:lo + prefill_chunk], cache, f"the prompt's tokens from {lo}")
     stats.prefill_s = time.perf_counter() - start
     held = list(ids)  # the ids the cache holds
     if kept is not None:
@@ -166,7 +166,7 @@ def lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], params: S
             yield token
             if i == 0 and not last:  # the next forward (the forced tokens with it) before those are yielded
                 t3 = time.perf_counter()
-                rows = _forward(shard, seq, cache, f"decode step {step + 1}", rows=len(seq) > 1)
+                rows = forward_logits(shard, seq, cache, f"decode step {step + 1}", rows=len(seq) > 1)
                 held.extend(seq)
                 t4 = time.perf_counter()
                 if picker is not None:

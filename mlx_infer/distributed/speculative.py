@@ -44,10 +44,9 @@ from ..generation.sampling import SamplingParams, build_logits_processors
 from ..speculative.drafters.base import Drafter
 from ..speculative.drafters.lookup import LookupDrafter
 from ..speculative.verify import verify_round
-from .generate import PREFILL_CHUNK, LockstepStats, lockstep_steps
+from .generate import PREFILL_CHUNK, LockstepStats, forward_logits, lockstep_steps
 from .group import broadcast_ints, broadcast_list
 from .load import Shard
-from .watchdog import guarded
 
 __all__ = ["SPEC_MODES", "SpecLockstepStats", "check_rollback", "follow_spec_request", "spec_lockstep_steps",
            "spec_lockstep_tokens"]
@@ -110,13 +109,6 @@ def check_rollback(cache: Sequence) -> None:
     if not can_trim_prompt_cache(cache) or any(isinstance(c, RotatingKVCache) for c in cache):
         raise MlxInferError("speculative decoding over mlx.launch ranks needs a KV cache that can roll back (no "
                             "recurrent state, no sliding window); this model's cannot: use --spec off")
-
-
-def _forward_rows(shard: Shard, ids: Sequence[int], cache, what: str) -> mx.array:
-    """The model's logits of every position of `ids` (appended to `cache`): [len(ids), V] float32, evaluated."""
-    logits = shard.model(mx.array([list(ids)], dtype=mx.uint32), cache=cache)[0].astype(mx.float32)
-    guarded(lambda: mx.eval(logits), what, shard.group.rank)
-    return logits
 
 
 def _trim(cache: Sequence, n: int) -> None:
@@ -208,7 +200,7 @@ def spec_lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], para
     drafter = (drafter or LookupDrafter()) if root else None
     start = time.perf_counter()
     for lo in range(0, len(ids), prefill_chunk):
-        logits = _forward_rows(shard, ids[lo:lo + prefill_chunk], cache, f"the prompt's tokens from {lo}")[-1:]
+        logits = forward_logits(shard, ids[lo:lo + prefill_chunk], cache, f"the prompt's tokens from {lo}")
     stats.prefill_s = time.perf_counter() - start
     history, eos, draft = list(ids), set(eos_ids), []
     while True:
@@ -231,7 +223,7 @@ def spec_lockstep_tokens(shard: Shard, prompt_ids: Optional[Sequence[int]], para
         _trim(cache, len(draft) - accepted)
         draft = next_draft
         t3 = time.perf_counter()
-        logits = _forward_rows(shard, [deliver[-1]] + draft, cache, f"decode round {stats.rounds + 1}")
+        logits = forward_logits(shard, [deliver[-1]] + draft, cache, f"decode round {stats.rounds + 1}", rows=True)
         t4 = time.perf_counter()
         stats.rounds += 1
         stats.decode_s += t4 - t3
